@@ -1,0 +1,31 @@
+"""Substation: a data-movement-optimizing compiler for transformer encoder layers.
+
+``substation.compile(config)`` turns an encoder config into an :class:`EncoderLayer`, a
+``torch.nn.Module`` whose forward and backward passes run generated, BLAS-backed C++.
+"""
+import os as _os
+
+# torch's and the generated code's OpenMP threads share the cores: sleeping instead of spinning
+# between parallel regions keeps alternating calls cheap (set before either runtime starts).
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+__version__ = "0.1.0"
+
+from .config import ConfigError, EncoderConfig, load_config  # noqa: E402
+from .runtime import EncoderLayer  # noqa: E402
+
+
+def compile(config, progress=None) -> EncoderLayer:  # noqa: A001 - the package's verb
+    """Compile an encoder config (an :class:`EncoderConfig`, a YAML path, a mapping or a bundled
+    config name such as ``"bert-base"``) into an :class:`EncoderLayer` with freshly initialised
+    parameters.
+
+    Raises:
+        ConfigError: an invalid config. FileNotFoundError: no such config file.
+        ToolchainError, BuildError: the C++ compiler or MKL is missing, or compilation failed.
+    """
+    from .pipeline import compile_layer
+    return EncoderLayer(compile_layer(config, progress))
+
+
+__all__ = ["ConfigError", "EncoderConfig", "EncoderLayer", "compile", "load_config", "__version__"]

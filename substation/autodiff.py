@@ -1,0 +1,185 @@
+"""Reverse-mode differentiation of a forward :class:`~substation.graph.LayerGraph`.
+
+The backward graph is derived operator by operator, in reverse topological order, from one
+vector-Jacobian rule per operator kind, so every encoder variant gets its backward pass without
+code of its own. Rules (y is the operator's output, dy its gradient):
+
+* contraction ``y = alpha * einsum(a, b)``: ``da = alpha * einsum(dy, b)``, ``db = alpha * einsum(a, dy)``
+  (two TC operators; every TC of the forward gives a data and a weight gradient).
+* bias ``y = x + b``: ``dx = dy`` (no operator), ``db = sum of dy over the broadcast dimensions`` (SN).
+* add (residual) and mask: the gradient passes through to each summand (no operator).
+* dropout: ``dx = dy * keep / (1 - p)`` with the forward's mask regenerated from the same
+  counter-based random stream (EW); nothing is saved.
+* activation: ``dx = dy * f'(x)`` (EW, needs x).
+* softmax over K: ``dx = y * (dy - sum_K(y * dy))`` (SN, needs y).
+* layer norm over I: ``dx`` from x, mean, 1/std and gamma (SN) and ``dgamma, dbeta`` (SN).
+
+Gradients reaching one tensor from several consumers are summed by one ``add`` operator; gradients of
+disjoint views (Q, K, V of the stacked QKV tensor) are written straight into one tensor. Forward
+tensors the backward graph reads become ``saved`` in the forward graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .graph import PARAMETERS, GraphBuilder, LayerGraph
+
+__all__ = ["build_backward"]
+
+
+def build_backward(fwd: LayerGraph) -> tuple[LayerGraph, LayerGraph]:
+    """Derive the backward graph of ``fwd``.
+
+    Inputs of the backward graph: ``dY[B, J, I]``, the parameters and the forward tensors it needs
+    (role ``saved``). Outputs: ``dX[B, J, I]`` and ``d<parameter>`` for every parameter, in the
+    parameter's dims.
+
+    Returns:
+        (forward graph with the tensors backward reads marked ``saved``, backward graph).
+    """
+    return _Differentiator(fwd).run()
+
+
+class _Differentiator:
+    def __init__(self, fwd: LayerGraph):
+        self.fwd = fwd
+        name = fwd.sdfg.name.replace("_forward", "") + "_backward"
+        self.g = GraphBuilder(name, fwd.config, "backward")
+        self.grads: dict[str, list[str]] = {}
+        self.view_grads: set[str] = set()
+        self.consumers: dict[str, int] = {}
+        for op in fwd.operators():
+            for t, _ in fwd.inputs_of(op).values():
+                self.consumers[t] = self.consumers.get(t, 0) + 1
+
+    # -- tensors ------------------------------------------------------------------------------
+    def use(self, name: str, access: str | None = None) -> str:
+        """Reference to forward tensor ``name`` inside the backward graph (declared on first use)."""
+        if name not in self.g.tensors:
+            info = self.fwd.tensors[name]
+            role = "param" if info.role == "param" else "saved"
+            self.g.tensor(name, info.dims, role, info.layout)
+        return f"{name}[{access}]" if access else name
+
+    def grad_target(self, name: str, access: str, op: str) -> str | None:
+        """Where the gradient contribution of ``op`` to forward tensor ``name`` is written."""
+        info = self.fwd.tensors[name]
+        if info.role == "input" and name != "X":
+            return None  # the mask has no gradient
+        if info.role == "param":
+            gname = f"d{name}"
+            self.g.tensor(gname, info.dims, "output", info.layout)
+            return f"{gname}[{access}]"
+        if any(c.isdigit() for c in access):
+            gname = f"d{name}"
+            if name not in self.view_grads:
+                self.view_grads.add(name)
+                self.g.tensor(gname, info.dims, "temp", info.layout)
+                self.grads.setdefault(name, []).append(gname)
+            return f"{gname}[{access}]"
+        gname = f"d{name}" if self.consumers[name] == 1 else f"d{name}__{op}"
+        if name == "X" and self.consumers[name] == 1:
+            self.g.tensor(gname, info.dims, "output", info.layout)
+        elif gname not in self.g.tensors:
+            self.g.tensor(gname, info.dims, "temp", info.layout)
+        self.grads.setdefault(name, []).append(gname)
+        return f"{gname}[{access}]"
+
+    def pass_through(self, name: str, dy: str) -> None:
+        if self.fwd.tensors[name].role != "input" or name == "X":
+            self.grads.setdefault(name, []).append(dy)
+
+    def grad_of(self, name: str) -> str | None:
+        """The (summed) gradient tensor of forward tensor ``name``, or None if nothing reaches it."""
+        parts = self.grads.get(name)
+        if not parts:
+            return None
+        if len(parts) == 1 and not (name == "X" and parts[0] != "dX"):
+            return parts[0]
+        info = self.fwd.tensors[name]
+        out = f"d{name}"
+        if out not in self.g.tensors:
+            self.g.tensor(out, info.dims, "output" if name == "X" else "temp", info.layout)
+        if len(parts) == 1:
+            self.g.op(f"{name}_grad_copy", "add", "EW", {"a": parts[0]}, {"y": out})
+        else:
+            self.g.op(f"{name}_grad_sum", "add", "EW", {f"in{i}": p for i, p in enumerate(parts)}, {"y": out})
+        self.grads[name] = [out]
+        return out
+
+    # -- rules --------------------------------------------------------------------------------
+    def run(self) -> tuple[LayerGraph, LayerGraph]:
+        g = self.g
+        g.tensor("dY", "BJI", "input")
+        self.grads["Y"] = ["dY"]
+        for op in reversed(self.fwd.operators()):
+            ins = self.fwd.inputs_of(op)
+            outs = self.fwd.outputs_of(op)
+            y_name, y_acc = outs["y"]
+            dy = self.grad_of(y_name)
+            if dy is None:
+                continue
+            getattr(self, f"_vjp_{op.kind}")(op, ins, outs, dy, y_acc)
+        dx = self.grad_of("X")
+        assert dx == "dX", dx
+        missing = [p for p in PARAMETERS if f"d{p}" not in g.tensors]
+        if missing:
+            raise RuntimeError(f"internal error: no gradient reaches parameters {missing}")
+        bwd = g.finish()
+        saved = {n for n, t in bwd.tensors.items() if t.role == "saved"}
+        tensors = {n: (dataclasses.replace(t, role="saved") if n in saved and t.role == "temp" else t)
+                   for n, t in self.fwd.tensors.items()}
+        for n in saved:
+            self.fwd.sdfg.arrays[n].transient = False
+        fwd = dataclasses.replace(self.fwd, tensors=tensors)
+        return fwd, bwd
+
+    def _vjp_contraction(self, op, ins, outs, dy, y_acc):
+        alpha = op.attrs.get("alpha", 1.0)
+        (c1, (t1, a1)), (c2, (t2, a2)) = ins.items()
+        for (c, (t, a)), (_, (ot, oa)) in (((c1, (t1, a1)), (c2, (t2, a2))), ((c2, (t2, a2)), (c1, (t1, a1)))):
+            target = self.grad_target(t, a, op.label)
+            if target is None:
+                continue
+            operands = {"dy": f"{dy}[{y_acc}]", c2 if c == c1 else c1: self.use(ot, oa)}
+            self.g.op(f"{op.label}_d{c}", "contraction", "TC", operands, {"y": target}, alpha=alpha)
+
+    def _vjp_bias(self, op, ins, outs, dy, y_acc):
+        x, _ = ins["x"]
+        b, b_acc = ins["b"]
+        self.pass_through(x, dy)
+        self.g.op(f"{op.label}_grad", "bias_grad", "SN", {"dy": f"{dy}[{y_acc}]"},
+                  {"y": self.grad_target(b, b_acc, op.label)})
+
+    def _vjp_add(self, op, ins, outs, dy, y_acc):
+        for t, _ in ins.values():
+            self.pass_through(t, dy)
+
+    def _vjp_mask(self, op, ins, outs, dy, y_acc):
+        self.pass_through(ins["x"][0], dy)
+
+    def _vjp_dropout(self, op, ins, outs, dy, y_acc):
+        x, a = ins["x"]
+        self.g.op(f"{op.label}_grad", "dropout", "EW", {"x": f"{dy}[{y_acc}]"},
+                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)
+
+    def _vjp_activation(self, op, ins, outs, dy, y_acc):
+        x, a = ins["x"]
+        self.g.op(f"{op.label}_grad", "activation_grad", "EW", {"dy": f"{dy}[{y_acc}]", "x": self.use(x, a)},
+                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)
+
+    def _vjp_softmax(self, op, ins, outs, dy, y_acc):
+        x, a = ins["x"]
+        y, _ = outs["y"]
+        self.g.op(f"{op.label}_grad", "softmax_grad", "SN", {"dy": f"{dy}[{y_acc}]", "probs": self.use(y, y_acc)},
+                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)
+
+    def _vjp_layer_norm(self, op, ins, outs, dy, y_acc):
+        x, a = ins["x"]
+        stats = {"x": self.use(x, a), "mean": self.use(outs["mean"][0]), "rstd": self.use(outs["rstd"][0])}
+        self.g.op(f"{op.label}_dparams", "layer_norm_param_grad", "SN", {"dy": f"{dy}[{y_acc}]", **stats},
+                  {"dgamma": self.grad_target(ins["gamma"][0], ins["gamma"][1], op.label),
+                   "dbeta": self.grad_target(ins["beta"][0], ins["beta"][1], op.label)}, **op.attrs)
+        self.g.op(f"{op.label}_dx", "layer_norm_grad", "SN",
+                  {"dy": f"{dy}[{y_acc}]", **stats, "gamma": self.use(ins["gamma"][0])},
+                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)

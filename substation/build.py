@@ -1,0 +1,217 @@
+"""Compiling generated C++ into shared libraries, with an atomic on-disk build cache.
+
+A build is keyed by everything that changes the machine code: the generated source, the runtime
+header, the compiler's version, the flags, the BLAS library and the CPU. An entry is a folder
+``<cache>/<key>/`` holding ``source.cpp``, ``lib.so`` and ``manifest.json`` (with the library's
+SHA-256). It is assembled in a private temporary folder and published with one ``rename``, so a
+killed or failed build leaves nothing that is later loaded; two processes building the same key
+both succeed and share the first published entry; an entry whose library does not match its
+manifest is discarded and rebuilt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["ToolchainError", "BuildError", "Toolchain", "toolchain", "cache_dir", "build_library",
+           "build_libraries"]
+
+_HEADER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+
+
+class ToolchainError(RuntimeError):
+    """A compiler or library needed to build generated code is missing; the message says which."""
+
+
+class BuildError(RuntimeError):
+    """The compiler rejected generated code; the message holds the command and its output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """The C++ compiler and BLAS used for CPU builds.
+
+    Attributes:
+        cxx: compiler executable (``$CXX`` or ``g++``).
+        cxx_version: first line of ``cxx --version``.
+        blas_include: folder holding ``mkl_cblas.h``.
+        blas_libs: absolute paths of the MKL libraries linked (LP64 interface, GNU OpenMP threading).
+        blas_version: the MKL package version.
+    """
+
+    cxx: str
+    cxx_version: str
+    blas_include: str
+    blas_libs: tuple[str, ...]
+    blas_version: str
+
+    def link_args(self) -> list[str]:
+        dirs = sorted({os.path.dirname(p) for p in self.blas_libs})
+        return ([f"-Wl,-rpath,{d}" for d in dirs] + [f"-L{d}" for d in dirs]
+                + [f"-l:{os.path.basename(p)}" for p in self.blas_libs] + ["-lm", "-ldl", "-lpthread"])
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain() -> Toolchain:
+    """Find the compiler and MKL (installed from PyPI by the project's set-up into ``sys.prefix``).
+
+    Raises:
+        ToolchainError: no C++ compiler, or MKL's headers or libraries are missing.
+    """
+    cxx = os.environ.get("CXX", "g++")
+    exe = shutil.which(cxx)
+    if exe is None:
+        raise ToolchainError(f"C++ compiler {cxx!r} not found on PATH (set $CXX or install g++)")
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    prefixes = [sys.prefix, os.environ.get("MKLROOT", "")]
+    include = next((os.path.join(p, "include") for p in prefixes
+                    if p and os.path.exists(os.path.join(p, "include", "mkl_cblas.h"))), None)
+    if include is None:
+        raise ToolchainError("MKL headers (mkl_cblas.h) not found under sys.prefix/include or $MKLROOT/include; "
+                             "install the 'mkl-devel' package (the README's set-up does)")
+    libs = []
+    for name in ("mkl_intel_lp64", "mkl_gnu_thread", "mkl_core"):
+        found = sorted(f for p in prefixes if p for f in glob.glob(os.path.join(p, "lib", f"lib{name}.so*")))
+        if not found:
+            raise ToolchainError(f"MKL library lib{name}.so not found under sys.prefix/lib or $MKLROOT/lib; "
+                                 "install the 'mkl-devel' package (the README's set-up does)")
+        libs.append(found[0])
+    try:
+        from importlib.metadata import version as _v
+        blas_version = _v("mkl")
+    except Exception:  # noqa: BLE001 - MKL outside pip: key by the library file instead
+        blas_version = os.path.realpath(libs[-1])
+    return Toolchain(exe, version, include, tuple(libs), blas_version)
+
+
+def cache_dir() -> str:
+    """The build cache folder: ``$SUBSTATION_CACHE_DIR`` or ``~/.cache/substation``."""
+    path = os.environ.get("SUBSTATION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "substation")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        import platform
+        return platform.processor()
+
+
+def _header_text() -> str:
+    parts = []
+    for name in sorted(os.listdir(_HEADER_DIR)):
+        with open(os.path.join(_HEADER_DIR, name)) as f:
+            parts.append(name + "\n" + f.read())
+    return "\n".join(parts)
+
+
+def build_key(source: str) -> str:
+    """SHA-256 over everything that changes the compiled library."""
+    tc = toolchain()
+    from . import __version__
+    h = hashlib.sha256()
+    for part in (source, _header_text(), tc.cxx_version, " ".join(FLAGS), tc.blas_version, _cpu_id(),
+                 __version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _valid(entry: str) -> bool:
+    try:
+        with open(os.path.join(entry, "manifest.json")) as f:
+            manifest = json.load(f)
+        return manifest["sha256"] == _sha256(os.path.join(entry, "lib.so"))
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _discard(entry: str) -> None:
+    trash = f"{entry}.trash-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        os.rename(entry, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """A built library: its path, whether it came from the cache, and the compile time in seconds."""
+
+    path: str
+    cached: bool
+    seconds: float
+
+
+def build_library(source: str, label: str = "lib") -> BuildResult:
+    """Compile ``source`` (C++) into a shared library, or reuse the cached build.
+
+    Raises:
+        ToolchainError: compiler or BLAS missing.
+        BuildError: the compiler failed (nothing is written to the cache).
+    """
+    key = build_key(source)
+    root = cache_dir()
+    entry = os.path.join(root, key)
+    if os.path.isdir(entry):
+        if _valid(entry):
+            return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
+        _discard(entry)
+    tc = toolchain()
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
+    try:
+        src = os.path.join(tmp, "source.cpp")
+        with open(src, "w") as f:
+            f.write(source)
+        lib = os.path.join(tmp, "lib.so")
+        cmd = [tc.cxx, *FLAGS, f"-I{_HEADER_DIR}", f"-I{tc.blas_include}", src, "-o", lib, *tc.link_args()]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise BuildError(f"compiling {label} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"key": key, "label": label, "sha256": _sha256(lib), "command": cmd,
+                       "compile_seconds": seconds}, f, indent=1)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not _valid(entry):  # lost the race to a broken entry: replace it
+                _discard(entry)
+                os.rename(tmp, entry)
+        return BuildResult(os.path.join(entry, "lib.so"), False, seconds)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_libraries(sources: dict[str, str]) -> dict[str, BuildResult]:
+    """Build several sources in parallel (one compiler process each)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        futures = {name: pool.submit(build_library, src, name) for name, src in sources.items()}
+        return {name: f.result() for name, f in futures.items()}

@@ -1,0 +1,232 @@
+"""Encoder-layer configuration: the YAML schema, validation and loading.
+
+A config names the sizes of one transformer encoder layer with the paper's dimension letters
+(B batch, L maximum sequence length = J = K, I hidden size, H heads, P = I / H head size, U
+feed-forward size) and the variant: activation, layer-norm placement, dropout probabilities,
+layer-norm eps, dtype, attention mask support and code-generation target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Mapping
+
+import yaml
+
+__all__ = ["ConfigError", "DropoutConfig", "EncoderConfig", "load_config"]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+LAYER_NORM_PLACEMENTS = ("post", "pre")
+DTYPES = ("float32", "float64")
+MASKS = ("none", "padding", "causal")
+TARGETS = ("cpu",)
+
+
+class ConfigError(ValueError):
+    """An encoder config value breaks a rule; the message names the key and the rule."""
+
+
+def _yaml_loader() -> type:
+    """A safe YAML loader that also reads ``1e-12`` (no dot) as a float, as YAML 1.2 does."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    float_re = re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    )
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", float_re, list("-+0123456789."))
+    return Loader
+
+
+_Loader = _yaml_loader()
+
+
+def _int(key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _prob(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: must be a number, got {type(value).__name__} {value!r}")
+    if not 0.0 <= float(value) < 1.0:
+        raise ConfigError(f"{key}: a dropout probability must lie in [0, 1), got {value}")
+    return float(value)
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutConfig:
+    """Dropout probabilities of one encoder layer, each in [0, 1).
+
+    Attributes:
+        attention: on the attention probabilities (after softmax), shape [B, H, J, K].
+        hidden: on the attention output projection and on the feed-forward output, before each
+            residual addition, shape [B, J, I].
+        activation: after the feed-forward activation, shape [B, J, U] (0 in BERT).
+    """
+
+    attention: float = 0.1
+    hidden: float = 0.1
+    activation: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _prob(f"dropout.{f.name}", getattr(self, f.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """One transformer encoder layer.
+
+    Attributes:
+        batch_size: B, the nominal batch size (analysis and benchmarks; any B works at call time).
+        max_seq_len: L, the nominal sequence length J = K (any length works at call time).
+        hidden_size: I.
+        num_heads: H; I must be divisible by H.
+        ffn_size: U, the feed-forward (intermediate) size.
+        activation: ``gelu`` (erf form), ``gelu_tanh`` (tanh approximation) or ``relu``.
+        layer_norm: ``post`` (BERT: residual then layer norm) or ``pre`` (layer norm on each branch input).
+        dropout: the three dropout probabilities.
+        layer_norm_eps: epsilon added to the variance, > 0.
+        dtype: ``float32`` or ``float64``; parameters, activations and gradients all use it.
+        mask: ``none`` (no mask input), ``padding`` (additive or boolean key mask [B, K]) or
+            ``causal`` (key k > query j masked, plus an optional padding mask).
+        target: code-generation target, ``cpu``.
+        name: a label used in reports and file names.
+
+    Raises:
+        ConfigError: a value breaks a rule (the message names the key).
+    """
+
+    batch_size: int = 8
+    max_seq_len: int = 128
+    hidden_size: int = 768
+    num_heads: int = 12
+    ffn_size: int = 3072
+    activation: str = "gelu"
+    layer_norm: str = "post"
+    dropout: DropoutConfig = dataclasses.field(default_factory=DropoutConfig)
+    layer_norm_eps: float = 1e-12
+    dtype: str = "float32"
+    mask: str = "padding"
+    target: str = "cpu"
+    name: str = "encoder"
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "max_seq_len", "hidden_size", "num_heads", "ffn_size"):
+            _int(key, getattr(self, key))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"hidden_size: must be divisible by num_heads, got I={self.hidden_size}, H={self.num_heads}"
+            )
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("layer_norm", self.layer_norm, LAYER_NORM_PLACEMENTS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("mask", self.mask, MASKS)
+        _choice("target", self.target, TARGETS)
+        if not isinstance(self.dropout, DropoutConfig):
+            raise ConfigError(f"dropout: must be a DropoutConfig, got {type(self.dropout).__name__}")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < float(eps) < 1.0:
+            raise ConfigError(f"layer_norm_eps: must be a number in (0, 1), got {eps!r}")
+        object.__setattr__(self, "layer_norm_eps", float(eps))
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
+            raise ConfigError(f"name: must be a non-empty string of letters, digits, '_', '.', '-'; got {self.name!r}")
+
+    @property
+    def head_size(self) -> int:
+        """P = I / H."""
+        return self.hidden_size // self.num_heads
+
+    def sizes(self, batch_size: int | None = None, seq_len: int | None = None) -> dict[str, int]:
+        """The dimension sizes by letter: B, J, K, H, P, I, U (and ``T`` = 3, the Q/K/V stack)."""
+        b = self.batch_size if batch_size is None else batch_size
+        j = self.max_seq_len if seq_len is None else seq_len
+        return {"B": b, "J": j, "K": j, "H": self.num_heads, "P": self.head_size,
+                "I": self.hidden_size, "U": self.ffn_size, "T": 3}
+
+    def replace(self, **changes: Any) -> "EncoderConfig":
+        """A copy with some fields changed (validated again); ``dropout`` may be a mapping."""
+        if isinstance(changes.get("dropout"), Mapping):
+            changes["dropout"] = dataclasses.replace(self.dropout, **changes["dropout"])
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data, in the YAML schema."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EncoderConfig":
+        """Build and validate a config from parsed YAML.
+
+        Raises:
+            ConfigError: an unknown key, a wrong type or a value out of range.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config: must be a mapping of keys to values, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown key (known keys: {', '.join(sorted(known))})")
+        values = dict(data)
+        if "dropout" in values:
+            d = values["dropout"]
+            if not isinstance(d, Mapping):
+                raise ConfigError(f"dropout: must be a mapping with keys attention, hidden, activation; got {d!r}")
+            dknown = {f.name for f in dataclasses.fields(DropoutConfig)}
+            dunknown = sorted(set(d) - dknown)
+            if dunknown:
+                raise ConfigError(f"dropout.{dunknown[0]}: unknown key (known keys: {', '.join(sorted(dknown))})")
+            values["dropout"] = DropoutConfig(**d)
+        return cls(**values)
+
+
+def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]") -> EncoderConfig:
+    """Load an encoder config from a YAML file path, a bundled config name (``bert-base``), a mapping
+    or an existing :class:`EncoderConfig`.
+
+    Raises:
+        FileNotFoundError: the path does not exist and is not the name of a bundled config.
+        ConfigError: the YAML is malformed or breaks a rule.
+    """
+    if isinstance(source, EncoderConfig):
+        return source
+    if isinstance(source, Mapping):
+        return EncoderConfig.from_dict(source)
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        bundled = os.path.join(bundled_configs_dir(), f"{path}.yaml")
+        if os.path.sep not in path and os.path.exists(bundled):
+            path = bundled
+        else:
+            raise FileNotFoundError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.load(f, Loader=_Loader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is not None and isinstance(data, Mapping) and "name" not in data:
+        data = dict(data, name=os.path.splitext(os.path.basename(path))[0])
+    return EncoderConfig.from_dict(data if data is not None else {})
+
+
+def bundled_configs_dir() -> str:
+    """The ``configs/`` folder shipped with the repository."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

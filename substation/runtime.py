@@ -1,0 +1,232 @@
+"""The PyTorch binding: compiled forward/backward libraries behind ``torch.autograd.Function`` and
+:class:`EncoderLayer`, an ``nn.Module`` with PyTorch's parameter shapes."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import torch
+from torch import nn
+
+from .config import EncoderConfig
+from .graph import LayerGraph, TensorInfo
+from .reference import init_parameters
+
+__all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "normalize_mask", "TORCH_DTYPES"]
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class CompiledGraph:
+    """One loaded library of a :class:`LayerGraph`, callable on torch tensors.
+
+    Raises:
+        RuntimeError: the library's argument signature does not match the graph (a stale or foreign build).
+    """
+
+    def __init__(self, graph: LayerGraph, path: str):
+        self.graph = graph
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.args: list[TensorInfo] = [t for t in graph.tensors.values() if t.role != "temp"]
+        self.lib.substation_signature.restype = ctypes.c_char_p
+        sig = self.lib.substation_signature().decode()
+        if sig != ",".join(t.name for t in self.args):
+            raise RuntimeError(f"library {path} does not match the {graph.phase} graph (signature {sig!r})")
+        self._run = self.lib.substation_run
+        self._run.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p,
+                              ctypes.c_uint64, ctypes.c_int32]
+        self._run.restype = ctypes.c_int
+        self._ws = self.lib.substation_workspace_bytes
+        self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        self._ws.restype = ctypes.c_int64
+        self.dtype = TORCH_DTYPES[graph.config.dtype]
+        self.produced = [t for t in self.args if t.role in ("output", "saved") and t.name in self._written()]
+
+    def _written(self) -> set[str]:
+        names = set()
+        for op in self.graph.operators():
+            names.update(t for t, _ in self.graph.outputs_of(op).values())
+        return names
+
+    def __call__(self, given: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
+                 training: bool = False) -> dict[str, torch.Tensor]:
+        """Run the graph. ``given`` maps every input, parameter and (backward) saved tensor name to a
+        contiguous tensor of the graph's dtype; returns the tensors the graph writes (outputs and
+        forward-saved tensors), freshly allocated."""
+        sizes = self.graph.config.sizes(batch, seq)
+        produced = {t.name: torch.empty(t.shape(sizes), dtype=self.dtype) for t in self.produced}
+        tensors = {**given, **produced}
+        ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
+        dims = (ctypes.c_int64 * 3)(batch, seq, seq)
+        ws = torch.empty(self._ws(dims), dtype=torch.uint8)
+        rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training))
+        if rc != 0:
+            raise RuntimeError(f"{self.graph.phase} library returned error code {rc}")
+        return produced
+
+
+@dataclasses.dataclass
+class CompiledLayer:
+    """The compiled forward and backward graphs of one config plus build facts.
+
+    Attributes:
+        config: the encoder config.
+        forward, backward: the loaded graphs.
+        build_seconds: compile time of each library (0 when it came from the cache).
+        sources: generated C++ source of each graph.
+    """
+
+    config: EncoderConfig
+    forward: CompiledGraph
+    backward: CompiledGraph
+    build_seconds: dict
+    sources: dict
+
+    @property
+    def saved_names(self) -> list[str]:
+        """Tensors the backward graph reads besides dY: forward tensors and parameters."""
+        return [t.name for t in self.backward.args if t.role in ("saved", "param")]
+
+
+def normalize_mask(attention_mask, key_padding_mask, batch: int, seq: int, dtype: torch.dtype,
+                   config: EncoderConfig) -> torch.Tensor | None:
+    """Turn a user mask into the additive key mask ``[B, K]`` of ``dtype`` the compiled code reads.
+
+    ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, the extended
+    ``[B, 1, 1, K]`` or a ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys
+    to attend with True/1. ``key_padding_mask`` follows PyTorch: bool ``[B, K]``, True marks padding.
+    Boolean masks become 0 / -inf.
+
+    Raises:
+        ValueError: wrong shape, a mask given to a layer compiled with ``mask: none``, both masks
+            given, or a per-query mask whose rows differ.
+        TypeError: a mask of an unsupported dtype.
+    """
+    if attention_mask is None and key_padding_mask is None:
+        return None
+    if config.mask == "none":
+        raise ValueError("this layer was compiled with mask: none; compile with mask: padding to pass a mask")
+    if attention_mask is not None and key_padding_mask is not None:
+        raise ValueError("pass either attention_mask or key_padding_mask, not both")
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), "
+                            f"got {key_padding_mask.dtype}")
+        m, keep = key_padding_mask, False
+    else:
+        m, keep = attention_mask, True
+    if m.device.type != "cpu":
+        raise ValueError(f"the mask must be on the CPU, got device {m.device}")
+    if m.dim() == 4:
+        if m.shape[1] != 1 or m.shape[2] not in (1, seq):
+            raise ValueError(f"a 4-D attention_mask must be [B, 1, 1, K] or [B, 1, J, K]; got {tuple(m.shape)}")
+        if m.shape[2] > 1:
+            if not bool((m == m[:, :, :1, :]).all()):
+                raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
+                                 "(and mask: causal in the config) are supported")
+        m = m[:, 0, 0, :]
+    if tuple(m.shape) != (batch, seq):
+        raise ValueError(f"mask must have shape [B, K] = [{batch}, {seq}] (or [B, 1, 1, K]); got {tuple(m.shape)}")
+    if m.dtype == torch.bool or not m.is_floating_point():
+        if m.dtype not in (torch.bool, torch.int64, torch.int32, torch.int8, torch.uint8):
+            raise TypeError(f"unsupported mask dtype {m.dtype}")
+        attend = m.bool() if keep else ~m.bool()
+        return torch.zeros(batch, seq, dtype=dtype).masked_fill_(~attend, float("-inf"))
+    return m.to(dtype).contiguous()
+
+
+class _EncoderFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer: "EncoderLayer", x: torch.Tensor, mask, seed: int, training: bool, *params):
+        compiled = layer.compiled
+        b, j, _ = x.shape
+        given = {"X": x, **dict(zip(layer.parameter_names, params))}
+        if compiled.config.mask != "none":
+            given["mask"] = mask if mask is not None else torch.zeros(b, j, dtype=x.dtype)
+        out = compiled.forward(given, b, j, seed, training)
+        saved_env = {**given, **out}
+        names = compiled.saved_names
+        ctx.save_for_backward(*(saved_env[n] for n in names))
+        ctx.names, ctx.layer, ctx.seed, ctx.training, ctx.shape = names, layer, seed, training, (b, j)
+        return out["Y"]
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        layer = ctx.layer
+        given = dict(zip(ctx.names, ctx.saved_tensors))
+        given["dY"] = dy.contiguous().to(layer.torch_dtype)
+        grads = layer.compiled.backward(given, *ctx.shape, ctx.seed, ctx.training)
+        pgrads = [grads[f"d{n}"].view(getattr(layer, n).shape) if ctx.needs_input_grad[5 + i] else None
+                  for i, n in enumerate(layer.parameter_names)]
+        return (None, grads["dX"] if ctx.needs_input_grad[1] else None, None, None, None, *pgrads)
+
+
+class EncoderLayer(nn.Module):
+    """A compiled transformer encoder layer (forward and backward run generated code).
+
+    Parameters have the names and shapes of ``torch.nn.TransformerEncoderLayer``: ``in_proj_weight``
+    [3I, I] (Q, K, V stacked), ``in_proj_bias`` [3I], ``out_proj_weight`` [I, I], ``out_proj_bias`` [I],
+    ``linear1_weight`` [U, I], ``linear1_bias`` [U], ``linear2_weight`` [I, U], ``linear2_bias`` [I],
+    ``norm1_weight``, ``norm1_bias``, ``norm2_weight``, ``norm2_bias`` [I], all of the config's dtype.
+
+    Build one with :func:`substation.compile`, :meth:`from_hf` or :meth:`from_torch`.
+    """
+
+    parameter_names = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
+                       "linear1_weight", "linear1_bias", "linear2_weight", "linear2_bias",
+                       "norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")
+
+    def __init__(self, compiled: CompiledLayer):
+        super().__init__()
+        self.compiled = compiled
+        self.config = compiled.config
+        self.torch_dtype = TORCH_DTYPES[self.config.dtype]
+        init_parameters(self, self.config, self.torch_dtype)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"I={c.hidden_size}, H={c.num_heads}, U={c.ffn_size}, activation={c.activation}, "
+                f"layer_norm={c.layer_norm}, dtype={c.dtype}, mask={c.mask}")
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layer.
+
+        Args:
+            hidden_states: [B, J, I], the config's dtype, on the CPU (a non-contiguous tensor is copied).
+            attention_mask: Hugging Face convention, see :func:`normalize_mask`.
+            key_padding_mask: PyTorch convention, bool [B, K], True = padding.
+
+        Returns:
+            [B, J, I]. Rows of a query whose keys are all masked with -inf get zero attention
+            probabilities (their attention output is the output bias alone).
+
+        Raises:
+            TypeError: not a tensor, or the wrong dtype (input or parameters).
+            ValueError: wrong rank or hidden size, a non-CPU device, an empty batch or sequence, or a
+                bad mask.
+        """
+        x = hidden_states
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states must have shape [B, J, I] with I = {self.config.hidden_size}; "
+                             f"got {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"this layer was compiled for the CPU; hidden_states is on {x.device}")
+        if x.dtype != self.torch_dtype:
+            raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {self.torch_dtype}")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
+        params = [getattr(self, n) for n in self.parameter_names]
+        for n, p in zip(self.parameter_names, params):
+            if p.dtype != self.torch_dtype or p.device.type != "cpu":
+                raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
+                                f"{self.torch_dtype} on the CPU")
+        b, j, _ = x.shape
+        mask = normalize_mask(attention_mask, key_padding_mask, b, j, self.torch_dtype, self.config)
+        training = self.training and any(v > 0 for v in dataclasses.astuple(self.config.dropout))
+        seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if training else 0
+        return _EncoderFunction.apply(self, x.contiguous(), mask, seed, training,
+                                      *(p if p.is_contiguous() else p.contiguous() for p in params))
