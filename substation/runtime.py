@@ -184,6 +184,20 @@ class EncoderLayer(nn.Module):
         self.torch_dtype = TORCH_DTYPES[self.config.dtype]
         init_parameters(self, self.config, self.torch_dtype)
 
+    @classmethod
+    def from_hf(cls, bert_layer, **config_overrides) -> "EncoderLayer":
+        """Compile a layer equivalent to a Hugging Face ``transformers`` ``BertLayer`` and copy its
+        weights; see :func:`substation.interop.from_hf`."""
+        from .interop import from_hf
+        return from_hf(bert_layer, **config_overrides)
+
+    @classmethod
+    def from_torch(cls, layer, **config_overrides) -> "EncoderLayer":
+        """Compile a layer equivalent to a ``torch.nn.TransformerEncoderLayer`` and copy its weights;
+        see :func:`substation.interop.from_torch`."""
+        from .interop import from_torch
+        return from_torch(layer, **config_overrides)
+
     def extra_repr(self) -> str:
         c = self.config
         return (f"I={c.hidden_size}, H={c.num_heads}, U={c.ffn_size}, activation={c.activation}, "
