@@ -205,12 +205,17 @@ class _Emitter:
             self.w("}")
 
     # operators -----------------------------------------------------------------------------------
-    def emit(self, op: Operator) -> None:
+    def emit(self, op: Operator, timer: int | None = None) -> None:
+        """Emit ``op``; with ``timer`` set, accumulate its wall time into slot ``timer``."""
         self.w(f"// {op.label} [{op.op_class}] {op.kind}: "
                + ", ".join(f"{c}={t}[{a}]" for c, (t, a) in sorted(self.graph.operands(op).items())))
         self.w("{")
         self.indent += 1
+        if timer is not None:
+            self.w("const double t0_ = omp_get_wtime();")
         getattr(self, f"_emit_{op.kind}")(op, self.operands(op), op.attrs)
+        if timer is not None:
+            self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
         self.w("}")
 
@@ -431,8 +436,26 @@ def _numel(dims: str) -> str:
     return " * ".join(_size(d) for d in dims)
 
 
-def generate_cpu(graph: LayerGraph) -> str:
+def _timer_abi(ops: list[Operator]) -> list[str]:
+    return [
+        f"static double g_op_seconds[{len(ops)}];",
+        'extern "C" const char* substation_op_names() {',
+        f'  return "{",".join(op.label for op in ops)}";',
+        "}",
+        'extern "C" void substation_op_seconds(double* out, int32_t reset) {',
+        f"  for (int i = 0; i < {len(ops)}; ++i) {{ out[i] = g_op_seconds[i]; if (reset) g_op_seconds[i] = 0; }}",
+        "}",
+        "",
+    ]
+
+
+def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
     """C++ source of ``graph`` for the CPU (see the module docstring for the exported ABI).
+
+    With ``instrument``, every operator is timed (``omp_get_wtime``) and the library also exports
+    ``const char* substation_op_names()`` (comma-separated, in execution order) and
+    ``void substation_op_seconds(double* out, int32_t reset)`` (seconds accumulated per operator
+    since the last reset).
 
     Raises:
         LayoutError: a contraction's operand layouts need an explicit transpose.
@@ -440,8 +463,9 @@ def generate_cpu(graph: LayerGraph) -> str:
     cfg = graph.config
     sizes = cfg.sizes()
     em = _Emitter(graph)
-    for op in graph.operators():
-        em.emit(op)
+    ops = graph.operators()
+    for n, op in enumerate(ops):
+        em.emit(op, n if instrument else None)
     args = [t for t in graph.tensors.values() if t.role != "temp"]
     temps = [t for t in graph.tensors.values() if t.role == "temp"]
     T = em.T
@@ -459,6 +483,7 @@ def generate_cpu(graph: LayerGraph) -> str:
         f'  return "{",".join(t.name for t in args)}";',
         "}",
         "",
+        *(_timer_abi(ops) if instrument else []),
         'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)B; (void)J; (void)K;",

@@ -27,10 +27,11 @@ def compile_graphs(config: EncoderConfig):
     return build_backward(build_forward(config))
 
 
-def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None) -> CompiledLayer:
+def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False) -> CompiledLayer:
     """Run every stage for ``config`` (a config, a YAML path or a bundled config name).
 
-    ``progress``, if given, is called with each stage name as it starts.
+    ``progress``, if given, is called with each stage name as it starts. ``instrument`` adds
+    per-operator timers (:meth:`~substation.runtime.CompiledGraph.op_seconds`).
 
     Raises:
         ConfigError, FileNotFoundError: a bad config.
@@ -42,7 +43,7 @@ def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None) ->
     step("autodiff")
     fwd, bwd = compile_graphs(config)
     step("codegen")
-    sources = {"forward": generate_cpu(fwd), "backward": generate_cpu(bwd)}
+    sources = {"forward": generate_cpu(fwd, instrument), "backward": generate_cpu(bwd, instrument)}
     step("build")
     built = build_libraries(sources)
     step("load")

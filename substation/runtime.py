@@ -41,7 +41,23 @@ class CompiledGraph:
         self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         self._ws.restype = ctypes.c_int64
         self.dtype = TORCH_DTYPES[graph.config.dtype]
+        self.instrumented = hasattr(self.lib, "substation_op_names")
+        if self.instrumented:
+            self.lib.substation_op_names.restype = ctypes.c_char_p
+            self.op_names = self.lib.substation_op_names().decode().split(",")
         self.produced = [t for t in self.args if t.role in ("output", "saved") and t.name in self._written()]
+
+    def op_seconds(self, reset: bool = True) -> dict[str, float]:
+        """Seconds spent in each operator since the last reset (instrumented builds only).
+
+        Raises:
+            RuntimeError: the library was built without ``instrument=True``.
+        """
+        if not self.instrumented:
+            raise RuntimeError("this library was built without per-operator timers (instrument=True)")
+        out = (ctypes.c_double * len(self.op_names))()
+        self.lib.substation_op_seconds(out, int(reset))
+        return dict(zip(self.op_names, out))
 
     def _written(self) -> set[str]:
         names = set()

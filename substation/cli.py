@@ -1,0 +1,184 @@
+"""Command line: ``substation compile | graphs`` (also ``python -m substation``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+__all__ = ["main"]
+
+REFERENCE_CONFIGS = ("bert-base", "bert-large-b8-l512", "bert-large-b96-l128", "minilm-l6")
+
+
+def publish_dir(build, out: str) -> None:
+    """Fill a fresh folder with ``build(tmpdir)`` and move it to ``out`` in one rename, replacing an
+    old ``out`` only once the new one is complete."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        build(tmp)
+        if os.path.exists(out):
+            trash = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rename(out, os.path.join(trash, "old"))
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def time_forward_backward(module, x, mask, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` forward+backward steps of ``module(x, mask)`` (one warm-up first)."""
+    import torch
+    times = []
+    for r in range(repeats + 1):
+        xg = x.detach().requires_grad_()
+        t0 = time.perf_counter()
+        y = module(xg, mask)
+        y.backward(torch.ones_like(y))
+        if r:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def cmd_compile(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from .config import load_config
+    from .pipeline import STAGES, compile_layer
+    from .reference import ReferenceEncoderLayer
+    from .runtime import EncoderLayer
+
+    config = load_config(args.config)
+    out = args.out or os.path.join("out", config.name)
+    names = [name for name, _ in STAGES]
+    bar = tqdm(total=len(STAGES), desc=f"compile {config.name}", unit="stage", file=sys.stderr)
+
+    def step(name):
+        bar.n = names.index(name)
+        bar.set_postfix_str(name)
+    t0 = time.perf_counter()
+    compiled = compile_layer(config, progress=step)
+    bar.n = bar.total
+    bar.close()
+    total = time.perf_counter() - t0
+    layer = EncoderLayer(compiled)
+    ref = ReferenceEncoderLayer(config, layer.torch_dtype)
+    ref.load_state_dict(layer.state_dict())
+    b, j = config.batch_size, config.max_seq_len
+    torch.manual_seed(0)
+    x = torch.randn(b, j, config.hidden_size, dtype=layer.torch_dtype)
+    mask = None
+    if config.mask != "none":
+        mask = torch.zeros(b, j, dtype=layer.torch_dtype)
+        mask[b // 2:, j * 3 // 4:] = float("-inf")  # pad the second half of the batch
+    layer.eval(), ref.eval()
+    with torch.no_grad():
+        y, y_ref = layer(x, mask), ref(x, mask)
+    err = float((y - y_ref).abs().max() / y_ref.abs().max())
+    layer.train(), ref.train()
+    times = {"substation": [], "pytorch_eager": []}
+    for _ in range(args.repeats):  # interleaved
+        times["substation"] += time_forward_backward(layer, x, mask, 1)
+        times["pytorch_eager"] += time_forward_backward(ref, x, mask, 1)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    fwd, bwd = compiled.forward.graph, compiled.backward.graph
+    report = {
+        "config": config.to_dict(),
+        "sizes": config.sizes(),
+        "operators": {"forward": len(fwd.operators()), "backward": len(bwd.operators())},
+        "operators_by_class": {g.phase: {c: sum(o.op_class == c for o in g.operators()) for c in ("TC", "SN", "EW")}
+                               for g in (fwd, bwd)},
+        "saved_for_backward": [t.name for t in fwd.tensors.values() if t.role == "saved"],
+        "build_seconds": compiled.build_seconds,
+        "pipeline_seconds": total,
+        "max_rel_error_vs_pytorch": err,
+        "forward_backward_seconds_median": med,
+        "speedup_vs_eager": med["pytorch_eager"] / med["substation"],
+        "repeats": args.repeats,
+    }
+
+    def write(tmp):
+        fwd.save(os.path.join(tmp, "forward.sdfg"))
+        bwd.save(os.path.join(tmp, "backward.sdfg"))
+        for phase, src in compiled.sources.items():
+            with open(os.path.join(tmp, f"{phase}.cpp"), "w") as f:
+                f.write(src)
+        shutil.copy(compiled.forward.path, os.path.join(tmp, "forward.so"))
+        shutil.copy(compiled.backward.path, os.path.join(tmp, "backward.so"))
+        with open(os.path.join(tmp, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+    publish_dir(write, out)
+    c = config
+    print(f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
+          f"U={c.ffn_size} {c.activation} {c.layer_norm}-LN {c.dtype} mask={c.mask}")
+    print(f"operators: forward {report['operators']['forward']} {report['operators_by_class']['forward']}, "
+          f"backward {report['operators']['backward']} {report['operators_by_class']['backward']}")
+    print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")
+                                for k, v in compiled.build_seconds.items()) + f"; pipeline {total:.1f} s")
+    print(f"check vs PyTorch eager (eval, padding mask): max relative error {err:.2e}")
+    print(f"forward+backward median of {args.repeats}: substation {med['substation'] * 1e3:.1f} ms, "
+          f"PyTorch eager {med['pytorch_eager'] * 1e3:.1f} ms, speedup {report['speedup_vs_eager']:.2f}x")
+    print(f"wrote {out}/: forward.sdfg backward.sdfg forward.cpp backward.cpp forward.so backward.so report.json")
+    tol = 1e-10 if config.dtype == "float64" else 1e-4
+    if err > tol:
+        print(f"error: compiled layer disagrees with PyTorch (relative error {err:.2e} > {tol:.0e})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_graphs(args) -> int:
+    from .config import load_config
+    from .pipeline import compile_graphs
+
+    names = args.configs or list(REFERENCE_CONFIGS)
+
+    def write(tmp):
+        for name in names:
+            config = load_config(name)
+            fwd, bwd = compile_graphs(config)
+            fwd.save(os.path.join(tmp, f"{config.name}.forward.sdfg"))
+            bwd.save(os.path.join(tmp, f"{config.name}.backward.sdfg"))
+            print(f"{config.name}: forward {len(fwd.operators())} operators, backward {len(bwd.operators())}")
+    publish_dir(write, args.out)
+    print(f"wrote {args.out}/")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="substation", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("compile", help="compile a config; write graphs, sources, libraries and a report")
+    p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
+    p.add_argument("--out", help="output folder (default out/<config name>)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps per implementation")
+    p.set_defaults(func=cmd_compile)
+    p = sub.add_parser("graphs", help="regenerate the saved SDFGs of the reference configs")
+    p.add_argument("configs", nargs="*", help=f"configs (default: {', '.join(REFERENCE_CONFIGS)})")
+    p.add_argument("--out", default="graphs", help="output folder (default graphs/)")
+    p.set_defaults(func=cmd_graphs)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``substation`` command. Returns the exit status."""
+    from .build import BuildError, ToolchainError
+    from .codegen import LayoutError
+    from .config import ConfigError
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, LayoutError, ToolchainError, BuildError) as e:
+        print(f"substation: error: {e}", file=sys.stderr)
+        return 2

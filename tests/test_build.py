@@ -1,0 +1,75 @@
+"""The build cache: reuse, atomic publication, failed and corrupted builds, concurrent builders."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from substation import build
+from substation.build import BuildError, build_library
+
+SOURCE = textwrap.dedent("""
+    #include "substation_cpu.h"
+    extern "C" int answer(void) { return %d; }
+""")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def entries(cache):
+    return sorted(p for p in os.listdir(cache) if not p.startswith("."))
+
+
+def test_second_build_is_cached(cache):
+    first = build_library(SOURCE % 1, "t")
+    second = build_library(SOURCE % 1, "t")
+    assert not first.cached and first.seconds > 0 and second.cached and second.path == first.path
+    assert len(entries(cache)) == 1
+    other = build_library(SOURCE % 2, "t")
+    assert other.path != first.path and len(entries(cache)) == 2
+
+
+def test_failed_build_is_not_recorded(cache):
+    with pytest.raises(BuildError, match="compiling bad failed"):
+        build_library("this is not C++", "bad")
+    assert entries(cache) == [] and os.listdir(cache) == []
+
+
+def test_corrupted_entry_is_rebuilt(cache):
+    first = build_library(SOURCE % 3, "t")
+    with open(first.path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\0garbage\0")
+    again = build_library(SOURCE % 3, "t")
+    assert not again.cached and again.path == first.path
+    import ctypes
+    assert ctypes.CDLL(again.path).answer() == 3
+
+
+def test_interrupted_build_leaves_nothing_loadable(cache):
+    """A build killed before publication leaves only a private temporary folder, never an entry."""
+    key = build.build_key(SOURCE % 4)
+    os.makedirs(cache / ".tmp-t-killed" / "x")  # what a killed build leaves behind
+    os.makedirs(cache / key)  # a half-written entry without manifest (e.g. copied by hand)
+    result = build_library(SOURCE % 4, "t")
+    assert not result.cached and os.path.exists(cache / key / "manifest.json")
+
+
+def test_two_processes_build_the_same_source(cache):
+    code = textwrap.dedent(f"""
+        import sys
+        from substation.build import build_library
+        print(build_library({SOURCE % 5!r}, "race").path)
+    """)
+    env = dict(os.environ, SUBSTATION_CACHE_DIR=str(cache))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    paths = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert paths[0] == paths[1] and len(entries(cache)) == 1
+    assert [p for p in os.listdir(cache) if p.startswith(".tmp")] == []

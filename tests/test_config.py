@@ -1,0 +1,77 @@
+"""Config loading and validation: every rule has a test that triggers its message."""
+import pytest
+
+from substation.config import ConfigError, EncoderConfig, load_config
+
+
+def test_bundled_configs():
+    base = load_config("bert-base")
+    assert (base.batch_size, base.max_seq_len, base.hidden_size, base.num_heads, base.ffn_size) == (8, 128, 768, 12, 3072)
+    assert base.head_size == 64 and base.layer_norm_eps == 1e-12 and isinstance(base.layer_norm_eps, float)
+    large = load_config("configs/bert-large-b8-l512.yaml")
+    assert (large.batch_size, large.max_seq_len, large.hidden_size, large.num_heads, large.ffn_size) == (8, 512, 1024, 16, 4096)
+    assert load_config("bert-large-b96-l128").batch_size == 96
+    mini = load_config("minilm-l6")
+    assert (mini.hidden_size, mini.num_heads, mini.ffn_size, mini.layer_norm_eps) == (384, 12, 1536, 1e-12)
+    tiny = load_config("tiny")
+    assert tiny.sizes() == {"B": 2, "J": 7, "K": 7, "H": 4, "P": 4, "I": 16, "U": 24, "T": 3}
+
+
+def test_round_trip_and_replace():
+    c = load_config("tiny")
+    assert EncoderConfig.from_dict(c.to_dict()) == c
+    d = c.replace(dropout={"attention": 0.2})
+    assert d.dropout.attention == 0.2 and d.dropout.hidden == c.dropout.hidden
+
+
+BAD = [
+    ({"hidden_size": 30, "num_heads": 4}, "hidden_size: must be divisible by num_heads"),
+    ({"batch_size": 0}, "batch_size: must be >= 1"),
+    ({"ffn_size": -3}, "ffn_size: must be >= 1"),
+    ({"max_seq_len": 1.5}, "max_seq_len: must be an integer"),
+    ({"num_heads": True}, "num_heads: must be an integer"),
+    ({"hidden_size": "768"}, "hidden_size: must be an integer"),
+    ({"dropout": {"attention": 1.0}}, "dropout.attention: a dropout probability must lie in [0, 1)"),
+    ({"dropout": {"hidden": -0.1}}, "dropout.hidden: a dropout probability must lie in [0, 1)"),
+    ({"dropout": {"activation": "0.1"}}, "dropout.activation: must be a number"),
+    ({"dropout": {"residual": 0.1}}, "dropout.residual: unknown key"),
+    ({"dropout": 0.1}, "dropout: must be a mapping"),
+    ({"activation": "swish"}, "activation: must be one of gelu, gelu_tanh, relu"),
+    ({"layer_norm": "middle"}, "layer_norm: must be one of post, pre"),
+    ({"dtype": "float16"}, "dtype: must be one of float32, float64"),
+    ({"mask": "sliding"}, "mask: must be one of none, padding, causal"),
+    ({"target": "tpu"}, "target: must be one of cpu"),
+    ({"layer_norm_eps": 0}, "layer_norm_eps: must be a number in (0, 1)"),
+    ({"layer_norm_eps": "small"}, "layer_norm_eps: must be a number in (0, 1)"),
+    ({"hidden": 768}, "hidden: unknown key"),
+    ({"name": "has space"}, "name: must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD)
+def test_invalid_values_name_key_and_rule(change, message):
+    data = load_config("tiny").to_dict()
+    data.update(change)
+    with pytest.raises(ConfigError) as err:
+        EncoderConfig.from_dict(data)
+    assert message in str(err.value)
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hidden_size: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    notmap = tmp_path / "list.yaml"
+    notmap.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="config: must be a mapping"):
+        load_config(notmap)
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_yaml_exponent_without_dot_is_float(tmp_path):
+    f = tmp_path / "eps.yaml"
+    f.write_text("layer_norm_eps: 1e-5\nhidden_size: 64\nnum_heads: 4\n")
+    c = load_config(f)
+    assert c.layer_norm_eps == 1e-5 and c.name == "eps"

@@ -1,0 +1,297 @@
+"""substation.interop: parity with Hugging Face BertLayer / BertModel and torch.nn.TransformerEncoderLayer,
+and the errors of from_hf / from_torch.
+
+Sizes are small (I = 32, H = 4, P = 8, U = 48, J = 8) so that the file runs in seconds once the builds are
+cached. Errors are measured as max |ours - reference| / max |reference| per tensor.
+"""
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from transformers import BertConfig, BertModel  # noqa: E402
+from transformers.masking_utils import create_bidirectional_mask  # noqa: E402
+from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
+
+from substation import EncoderLayer  # noqa: E402
+from substation.interop import HFBertLayer, from_hf, from_torch, optimize  # noqa: E402
+
+I, H, U, B, J = 32, 4, 48, 3, 8
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def rel(ours, ref):
+    """max |ours - ref| / max |ref|, in float64."""
+    ref = ref.double()
+    return float((ours.double() - ref).abs().max() / ref.abs().max())
+
+
+def bert_config(**kw):
+    base = dict(hidden_size=I, num_attention_heads=H, intermediate_size=U, num_hidden_layers=2, vocab_size=64,
+                max_position_embeddings=16, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.2)
+    base.update(kw)
+    return BertConfig(**base)
+
+
+def randomize_(module, seed):
+    """Random biases and LayerNorm parameters (PyTorch initialises them to 0 / 1) so every gradient is exercised."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "LayerNorm.weight" in name or
+                                                      name.startswith("norm") and "weight" in name else 0.0))
+    return module
+
+
+def hf_layer(dtype, **kw):
+    torch.manual_seed(0)
+    layer = BertLayer(bert_config(**kw)).to(dtype)
+    return randomize_(layer, 1).eval()
+
+
+def key_mask_2d():
+    """[B, K] int, 1 = attend: half of the keys of every sequence masked, at different positions."""
+    am = torch.ones(B, J, dtype=torch.long)
+    am[0, J // 2:] = 0          # padding at the end
+    am[1, :J // 2] = 0          # first half masked
+    am[2, 0::2] = 0             # every other key
+    return am
+
+
+def hf_mask(config, x, am):
+    """The mask BertModel gives its layers in transformers 5.x (create_bidirectional_mask)."""
+    return create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=am)
+
+
+def hf_grads(layer):
+    """HF BertLayer gradients under Substation's parameter names (Q, K, V stacked into in_proj)."""
+    sa, ao = layer.attention.self, layer.attention.output
+    g = lambda m: m.grad  # noqa: E731
+    return {
+        "in_proj_weight": torch.cat([g(sa.query.weight), g(sa.key.weight), g(sa.value.weight)]),
+        "in_proj_bias": torch.cat([g(sa.query.bias), g(sa.key.bias), g(sa.value.bias)]),
+        "out_proj_weight": g(ao.dense.weight), "out_proj_bias": g(ao.dense.bias),
+        "linear1_weight": g(layer.intermediate.dense.weight), "linear1_bias": g(layer.intermediate.dense.bias),
+        "linear2_weight": g(layer.output.dense.weight), "linear2_bias": g(layer.output.dense.bias),
+        "norm1_weight": g(ao.LayerNorm.weight), "norm1_bias": g(ao.LayerNorm.bias),
+        "norm2_weight": g(layer.output.LayerNorm.weight), "norm2_bias": g(layer.output.LayerNorm.bias),
+    }
+
+
+def forward_backward(module, x, g, *args, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad()
+    y = module(x, *args, **kwargs)
+    y.backward(g)
+    return y.detach(), x.grad.detach()
+
+
+# ------------------------------------------------------------------------------------------------ (a) BertLayer
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_from_hf_parity_forward_and_all_gradients(dtype, attn):
+    ref = hf_layer(dtype, attn_implementation=attn)
+    ours = HFBertLayer(from_hf(ref))
+    c = ours.layer.config
+    assert (c.hidden_size, c.num_heads, c.ffn_size, c.activation, c.layer_norm) == (I, H, U, "gelu", "post")
+    assert (c.dropout.attention, c.dropout.hidden, c.dropout.activation) == (0.1, 0.2, 0.0)
+    assert c.layer_norm_eps == 1e-12 and c.dtype == str(dtype).split(".")[1] and c.mask == "padding"
+    assert (c.batch_size, c.max_seq_len) == (1, 16)  # max_position_embeddings of the HF config
+    assert not ours.training and not ours.layer.training
+
+    torch.manual_seed(2)
+    x = torch.randn(B, J, I, dtype=dtype)
+    g = torch.randn(B, J, I, dtype=dtype)
+    mask = hf_mask(ref.attention.self.config, x, key_mask_2d())
+    assert mask.shape == (B, 1, J, J)
+    assert mask.dtype == (dtype if attn == "eager" else torch.bool)  # eager: additive finfo.min; sdpa: bool
+
+    y_ref, dx_ref = forward_backward(ref, x, g, mask)
+    y, dx = forward_backward(ours, x, g, mask)
+    errors = {"Y": rel(y, y_ref), "dX": rel(dx, dx_ref)}
+    want = hf_grads(ref)
+    got = {n: p.grad for n, p in ours.layer.named_parameters()}
+    assert set(got) == set(want) == set(EncoderLayer.parameter_names)
+    for n in want:
+        errors[n] = rel(got[n], want[n])
+    print(dtype, attn, {k: f"{v:.1e}" for k, v in errors.items()})
+    bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
+    assert not bad, f"relative errors above {TOL[dtype]}: {bad}"
+
+
+def test_from_hf_weights_copied_and_source_untouched():
+    ref = hf_layer(torch.float64)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    ours = from_hf(ref)
+    sa = ref.attention.self
+    assert torch.equal(ours.in_proj_weight.detach(), torch.cat([sa.query.weight, sa.key.weight, sa.value.weight]))
+    assert torch.equal(ours.norm2_bias.detach(), ref.output.LayerNorm.bias)
+    assert ours.in_proj_weight.data_ptr() != sa.query.weight.data_ptr()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_from_hf_keeps_train_mode_and_overrides():
+    ref = hf_layer(torch.float64).train()
+    ours = from_hf(ref, max_seq_len=8, name="override")
+    assert ours.training and ours.config.max_seq_len == 8 and ours.config.name == "override"
+
+
+@pytest.mark.parametrize("act,expected", [("gelu_new", "gelu_tanh"), ("relu", "relu")])
+def test_from_hf_activations(act, expected):
+    ref = hf_layer(torch.float64, hidden_act=act)
+    ours = HFBertLayer(from_hf(ref))
+    assert ours.layer.config.activation == expected
+    torch.manual_seed(3)
+    x = torch.randn(B, J, I, dtype=torch.float64)
+    mask = hf_mask(ref.attention.self.config, x, key_mask_2d())
+    with torch.no_grad():
+        err = rel(ours(x, mask), ref(x, mask))
+    assert err <= 1e-10, err
+
+
+def test_from_hf_chunked_feed_forward_is_accepted():
+    ref = hf_layer(torch.float64, chunk_size_feed_forward=2)
+    ours = HFBertLayer(from_hf(ref))
+    torch.manual_seed(4)
+    x = torch.randn(B, J, I, dtype=torch.float64)
+    mask = hf_mask(ref.attention.self.config, x, key_mask_2d())
+    with torch.no_grad():
+        err = rel(ours(x, mask), ref(x, mask))
+    assert err <= 1e-10, err
+
+
+# ------------------------------------------------------------------------------------------------ (b) torch layer
+
+
+def torch_grads(layer):
+    sa = layer.self_attn
+    return {"in_proj_weight": sa.in_proj_weight.grad, "in_proj_bias": sa.in_proj_bias.grad,
+            "out_proj_weight": sa.out_proj.weight.grad, "out_proj_bias": sa.out_proj.bias.grad,
+            **{f"{m}_{p}": getattr(getattr(layer, m), p).grad
+               for m in ("linear1", "linear2", "norm1", "norm2") for p in ("weight", "bias")}}
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_from_torch_parity(norm_first, activation):
+    torch.manual_seed(5)
+    ref = nn.TransformerEncoderLayer(I, H, dim_feedforward=U, dropout=0.1, activation=activation,
+                                     layer_norm_eps=1e-6, batch_first=True, norm_first=norm_first,
+                                     dtype=torch.float64)
+    randomize_(ref, 6).eval()
+    ours = from_torch(ref)
+    c = ours.config
+    assert (c.activation, c.layer_norm, c.layer_norm_eps) == (activation, "pre" if norm_first else "post", 1e-6)
+    assert (c.dropout.attention, c.dropout.hidden, c.dropout.activation) == (0.1, 0.1, 0.1)
+    assert not ours.training
+
+    torch.manual_seed(7)
+    x = torch.randn(B, J, I, dtype=torch.float64)
+    g = torch.randn(B, J, I, dtype=torch.float64)
+    pad = torch.zeros(B, J, dtype=torch.bool)
+    pad[1, 5:] = True
+    pad[2, 2:] = True
+    y_ref, dx_ref = forward_backward(ref, x, g, src_key_padding_mask=pad)
+    y, dx = forward_backward(ours, x, g, key_padding_mask=pad)
+    errors = {"Y": rel(y, y_ref), "dX": rel(dx, dx_ref)}
+    want = torch_grads(ref)
+    for n, p in ours.named_parameters():
+        errors[n] = rel(p.grad, want[n])
+    assert len(errors) == 14
+    print(norm_first, activation, {k: f"{v:.1e}" for k, v in errors.items()})
+    bad = {k: v for k, v in errors.items() if not v <= 1e-10}
+    assert not bad, bad
+
+
+def test_from_torch_errors():
+    with pytest.raises(ValueError, match="batch_first"):
+        from_torch(nn.TransformerEncoderLayer(I, H, U))
+    with pytest.raises(ValueError, match="bias=False"):
+        from_torch(nn.TransformerEncoderLayer(I, H, U, batch_first=True, bias=False))
+    with pytest.raises(ValueError, match="Tanh"):
+        from_torch(nn.TransformerEncoderLayer(I, H, U, batch_first=True, activation=nn.Tanh()))
+
+
+# ------------------------------------------------------------------------------------------------ (c) optimize()
+
+
+@pytest.mark.parametrize("attn", [None, "eager", "sdpa"])
+def test_optimize_bert_model(attn):
+    kw = {} if attn is None else {"attn_implementation": attn}
+    torch.manual_seed(8)
+    model = BertModel(bert_config(**kw)).double().eval()
+    ids = torch.randint(0, 64, (B, J))
+    am = torch.ones(B, J, dtype=torch.long)
+    am[1, 5:] = 0
+    am[2, 3:] = 0  # padding
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am, output_hidden_states=True)
+        full = model(input_ids=ids)  # no padding: BertModel passes attention_mask=None to its layers
+
+    assert optimize(model) is model
+    layers = [m for m in model.modules() if isinstance(m, HFBertLayer)]
+    assert len(layers) == 2
+    assert not any(isinstance(m, BertLayer) for m in model.modules())
+    assert all(isinstance(m, HFBertLayer) for m in model.encoder.layer)
+    assert layers[0].layer.compiled is layers[1].layer.compiled            # one shared build
+    assert layers[0].layer.in_proj_weight.data_ptr() != layers[1].layer.in_proj_weight.data_ptr()
+    assert not layers[0].training
+
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=am, output_hidden_states=True)
+        out_full = model(input_ids=ids)
+    err = float((out.last_hidden_state - ref.last_hidden_state).abs().max())
+    err_full = float((out_full.last_hidden_state - full.last_hidden_state).abs().max())
+    print(attn, f"padded {err:.1e}, unpadded {err_full:.1e}")
+    assert err <= 1e-10 and err_full <= 1e-10
+    assert float((out.pooler_output - ref.pooler_output).abs().max()) <= 1e-10
+    # output_hidden_states still works: the capture hooks are carried over to the new layers
+    assert len(out.hidden_states) == len(ref.hidden_states) == 3
+    for a, b in zip(out.hidden_states, ref.hidden_states):
+        assert float((a - b).abs().max()) <= 1e-10
+
+
+def test_optimize_rejects_output_attentions():
+    model = optimize(BertModel(bert_config()).double().eval())
+    ids = torch.randint(0, 64, (B, J))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=ids, output_attentions=True)
+
+
+# ------------------------------------------------------------------------------------------------ (d) errors
+
+
+def test_from_hf_unsupported_activation_named():
+    layer = BertLayer(bert_config(hidden_act="quick_gelu"))
+    with pytest.raises(ValueError, match="quick_gelu"):
+        from_hf(layer)
+
+
+def test_from_hf_other_errors():
+    with pytest.raises(ValueError, match="decoder"):
+        from_hf(BertLayer(bert_config(is_decoder=True)))
+    with pytest.raises(ValueError, match="cross-attention|decoder"):
+        from_hf(BertLayer(bert_config(is_decoder=True, add_cross_attention=True)))
+    layer = BertLayer(bert_config())
+    layer.output.dropout.p = 0.3
+    with pytest.raises(ValueError, match="dropout"):
+        from_hf(layer)
+    layer = BertLayer(bert_config())
+    layer.output.LayerNorm.eps = 1e-5
+    with pytest.raises(ValueError, match="eps"):
+        from_hf(layer)
+    with pytest.raises(TypeError, match="bfloat16"):
+        from_hf(BertLayer(bert_config()).to(torch.bfloat16))
+
+
+def test_hf_wrapper_rejects_per_query_masks():
+    ours = HFBertLayer(from_hf(hf_layer(torch.float64)))
+    x = torch.randn(1, J, I, dtype=torch.float64)
+    causal = torch.ones(J, J, dtype=torch.bool).tril()[None, None]
+    with pytest.raises(ValueError, match="differs between queries"):
+        ours(x, causal)

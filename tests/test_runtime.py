@@ -1,0 +1,155 @@
+"""The torch binding: dropout semantics, masks, input checks and errors."""
+import math
+
+import pytest
+import torch
+
+from conftest import make_layer, reference_for
+
+
+@pytest.fixture(scope="module")
+def drop_layer(tiny):
+    """float64 tiny layer with heavy dropout everywhere, so every mask is visible."""
+    return make_layer(tiny.replace(dropout={"attention": 0.3, "hidden": 0.2, "activation": 0.25}))
+
+
+def x_for(layer, b=2, j=7, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(b, j, layer.config.hidden_size, dtype=layer.torch_dtype)
+
+
+def test_same_seed_same_output_different_seed_different(drop_layer):
+    x = x_for(drop_layer)
+    drop_layer.train()
+    torch.manual_seed(5)
+    a = drop_layer(x)
+    torch.manual_seed(5)
+    b = drop_layer(x)
+    torch.manual_seed(6)
+    c = drop_layer(x)
+    d = drop_layer(x)  # the generator advanced: consecutive calls differ
+    assert torch.equal(a, b)
+    assert (a - c).abs().max() > 1e-3 and (c - d).abs().max() > 1e-3
+
+
+def test_eval_is_deterministic_and_dropout_free(drop_layer):
+    x = x_for(drop_layer)
+    drop_layer.eval()
+    try:
+        torch.manual_seed(1)
+        a = drop_layer(x)
+        torch.manual_seed(2)
+        b = drop_layer(x)
+        ref = reference_for(drop_layer).eval()
+        assert torch.equal(a, b)
+        assert (a - ref(x)).abs().max() / ref(x).abs().max() < 1e-12
+    finally:
+        drop_layer.train()
+
+
+def test_backward_uses_the_forward_mask(drop_layer):
+    """Finite differences of the (seeded, hence deterministic) dropout layer match its backward."""
+    x = x_for(drop_layer, b=1, j=3).requires_grad_()
+    drop_layer.train()
+
+    def f(inp):
+        torch.manual_seed(11)
+        return drop_layer(inp)
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_dropout_keeps_1_minus_p_and_scales(drop_layer):
+    """Kept attention probabilities are scaled by 1/(1-p); the kept fraction and the mean match."""
+    c = drop_layer.compiled
+    p = drop_layer.config.dropout.attention
+    b, j = 64, 7
+    given = {"X": x_for(drop_layer, b, j), "mask": torch.zeros(b, j, dtype=torch.float64),
+             **{n: getattr(drop_layer, n).detach() for n in drop_layer.parameter_names}}
+    out = c.forward(given, b, j, seed=1234, training=True)
+    a, ad = out["A"], out["A_drop"]
+    kept = ad != 0
+    n = kept.numel()
+    frac = kept.double().mean().item()
+    assert abs(frac - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
+    assert torch.allclose(ad[kept], a[kept] / (1 - p), rtol=1e-14, atol=0)
+    assert abs(ad.sum().item() / a.sum().item() - 1) < 4 * math.sqrt(p / (1 - p) / n) * math.sqrt(j)
+    other = c.forward(given, b, j, seed=1235, training=True)["A_drop"]
+    assert not torch.equal(other != 0, kept)
+
+
+def test_masks_equivalent_forms(tiny_nodrop):
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer)
+    pad = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
+    additive = torch.zeros(2, 7, dtype=torch.float64).masked_fill(pad, float("-inf"))
+    outs = [layer(x, key_padding_mask=pad), layer(x, attention_mask=~pad), layer(x, attention_mask=(~pad).long()),
+            layer(x, attention_mask=additive), layer(x, attention_mask=additive[:, None, None, :]),
+            layer(x, attention_mask=additive[:, None, None, :].expand(2, 1, 7, 7))]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    ref = reference_for(layer)
+    assert (outs[0] - ref(x, additive)).abs().max() < 1e-12
+
+
+def test_non_contiguous_input_is_copied(tiny_nodrop):
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer, b=7, j=2).transpose(0, 1)
+    assert not x.is_contiguous()
+    ref = reference_for(layer)
+    assert (layer(x) - ref(x)).abs().max() < 1e-12
+
+
+def test_parameters_have_pytorch_shapes(tiny):
+    layer = make_layer(tiny)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes == {"in_proj_weight": (48, 16), "in_proj_bias": (48,), "out_proj_weight": (16, 16),
+                      "out_proj_bias": (16,), "linear1_weight": (24, 16), "linear1_bias": (24,),
+                      "linear2_weight": (16, 24), "linear2_bias": (16,), "norm1_weight": (16,),
+                      "norm1_bias": (16,), "norm2_weight": (16,), "norm2_bias": (16,)}
+    assert all(p.dtype == torch.float64 for p in layer.parameters())
+
+
+def test_only_some_inputs_require_grad(tiny_nodrop):
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer).requires_grad_()
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    layer(x).sum().backward()
+    assert x.grad is not None and all(p.grad is None for p in layer.parameters())
+    for p in layer.parameters():
+        p.requires_grad_(True)
+    x2 = x_for(layer)
+    layer(x2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+BAD_CALLS = [
+    (lambda l, x: l(x.numpy()), TypeError, "hidden_states must be a torch.Tensor"),
+    (lambda l, x: l(x.float()), TypeError, "hidden_states has dtype torch.float32 but the layer was compiled for torch.float64"),
+    (lambda l, x: l(x[0]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
+    (lambda l, x: l(x[..., :8]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
+    (lambda l, x: l(x[:, :0]), ValueError, "hidden_states must have B >= 1 and J >= 1"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 6, dtype=torch.float64)), ValueError, r"mask must have shape \[B, K\] = \[2, 7\]"),
+    (lambda l, x: l(x, key_padding_mask=torch.zeros(2, 7)), TypeError, "key_padding_mask must be a bool tensor"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7), key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "not both"),
+    (lambda l, x: l(x, attention_mask=torch.randn(2, 1, 7, 7, dtype=torch.float64)), ValueError, "differs between queries"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, "a 4-D attention_mask must be"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, "unsupported mask dtype"),
+]
+
+
+@pytest.mark.parametrize("call,exc,message", BAD_CALLS)
+def test_bad_tensors_raise_clear_errors(call, exc, message, tiny):
+    layer = make_layer(tiny)
+    with pytest.raises(exc, match=message):
+        call(layer, x_for(layer))
+
+
+def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):
+    layer = make_layer(tiny.replace(mask="none"))
+    x = x_for(layer)
+    with pytest.raises(ValueError, match="compiled with mask: none"):
+        layer(x, attention_mask=torch.ones(2, 7, dtype=torch.bool))
+    layer.float()
+    with pytest.raises(TypeError, match="parameter in_proj_weight is torch.float32"):
+        layer(x)
