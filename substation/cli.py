@@ -69,7 +69,7 @@ def cmd_compile(args) -> int:
         bar.n = names.index(name)
         bar.set_postfix_str(name)
     t0 = time.perf_counter()
-    compiled = compile_layer(config, progress=step)
+    compiled = compile_layer(config, progress=step, fuse=not args.no_fuse)
     bar.n = bar.total
     bar.close()
     total = time.perf_counter() - t0
@@ -147,12 +147,46 @@ def cmd_graphs(args) -> int:
     def write(tmp):
         for name in names:
             config = load_config(name)
-            fwd, bwd = compile_graphs(config)
-            fwd.save(os.path.join(tmp, f"{config.name}.forward.sdfg"))
-            bwd.save(os.path.join(tmp, f"{config.name}.backward.sdfg"))
-            print(f"{config.name}: forward {len(fwd.operators())} operators, backward {len(bwd.operators())}")
+            for fused, suffix in ((False, ""), (True, ".fused")):
+                fwd, bwd = compile_graphs(config, fuse_ops=fused)
+                fwd.save(os.path.join(tmp, f"{config.name}.forward{suffix}.sdfg"))
+                bwd.save(os.path.join(tmp, f"{config.name}.backward{suffix}.sdfg"))
+                print(f"{config.name}{suffix}: forward {len(fwd.operators())} operators, "
+                      f"backward {len(bwd.operators())}")
     publish_dir(write, args.out)
     print(f"wrote {args.out}/")
+    return 0
+
+
+def cmd_report(args) -> int:
+    """``substation report``: flop and data-movement analysis of a config's graphs (see docs/analysis.md)."""
+    from .analysis import analyze, format_report, measure, plot_report, write_json
+
+    try:
+        analysis = analyze(args.config, optimized=args.optimized)
+    except NotImplementedError as e:
+        print(f"substation: error: --optimized: {e}", file=sys.stderr)
+        return 2
+    if args.measure:
+        if args.repeats < 1:
+            print(f"substation: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+            return 2
+        analysis = analysis.with_measurement(measure(analysis.config, repeats=args.repeats,
+                                                           optimized=args.optimized))
+    print(format_report(analysis))
+    try:
+        if args.json:
+            write_json(analysis, args.json)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot_report(analysis, args.plot)
+            print(f"wrote {args.plot}")
+    except ImportError as e:
+        print(f"substation: error: --plot needs matplotlib ({e})", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"substation: error: cannot write the report: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -163,11 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
     p.add_argument("--out", help="output folder (default out/<config name>)")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps per implementation")
+    p.add_argument("--no-fuse", action="store_true", help="skip the fusion pass (one kernel per operator)")
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("graphs", help="regenerate the saved SDFGs of the reference configs")
     p.add_argument("configs", nargs="*", help=f"configs (default: {', '.join(REFERENCE_CONFIGS)})")
     p.add_argument("--out", default="graphs", help="output folder (default graphs/)")
     p.set_defaults(func=cmd_graphs)
+    p = sub.add_parser("report", help="per-operator flop and data-movement analysis (optionally measured)")
+    p.add_argument("config", help="YAML config path or bundled name (e.g. bert-large-b8-l512)")
+    p.add_argument("--optimized", action="store_true",
+                   help="analyse the graphs after the optimization stages; adds data_movement_reduction_pct")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of the class shares")
+    p.add_argument("--measure", action="store_true",
+                   help="run the compiled layer with per-operator timers and a STREAM-like copy")
+    p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps with --measure (default 5)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

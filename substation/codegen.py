@@ -213,7 +213,14 @@ class _Emitter:
         self.indent += 1
         if timer is not None:
             self.w("const double t0_ = omp_get_wtime();")
-        getattr(self, f"_emit_{op.kind}")(op, self.operands(op), op.attrs)
+        if op.kind == "contraction":
+            self._emit_contraction(op, self.operands(op), op.attrs)
+        elif op.kind == "fused":
+            _RowKernel(self, op.attrs["ops"]).emit()
+        else:
+            record = {"name": op.label, "kind": op.kind, "attrs": op.attrs,
+                      "inputs": self.graph.inputs_of(op), "outputs": self.graph.outputs_of(op)}
+            _RowKernel(self, [record]).emit()
         if timer is not None:
             self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
@@ -250,186 +257,241 @@ class _Emitter:
         self.indent -= 1
         self.w("}")
 
-    def _pointwise(self, out: _Operand, ins: dict[str, _Operand], expr: str, parallel=True) -> None:
-        letters = _order(out, list(out.strides))
+class _RowKernel:
+    """One row kernel: EW and SN members over a shared iteration space F = rows R x inner letters N.
 
-        def body():
-            for conn, o in ins.items():
-                self.w(f"const {self.T} v_{conn} = {o.name}[{o.offset()}];")
-            self.w(f"{out.name}[{out.offset()}] = {expr};")
-        self.loops(letters, body, parallel)
+    Per row, members run in order over the inner letters; tensors produced and consumed inside stay
+    in per-thread row buffers (full-width) or scalars (per-row statistics); column reductions
+    accumulate per thread and are combined in thread order after the rows (deterministic for a
+    given thread count).
+    """
 
-    def _emit_bias(self, op, ops, attrs):
-        out = ops.pop("y")
-        self._pointwise(out, ops, "v_x + v_b")
+    def __init__(self, em: "_Emitter", members: list[dict]):
+        from .passes.fusion import COLUMN_REDUCTIONS, op_space
+        self.em, self.graph, self.T = em, em.graph, em.T
+        self.members = members
+        spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
+        full = spaces[0][0]
+        inner = next((n for _, n in spaces if n is not None), None)
+        main = next(t for m in members for t, a in list(m["inputs"].values()) + list(m["outputs"].values())
+                    if t in self.graph.tensors and set(c for c in a if not c.isdigit()) == full)
+        main_access = next(a for m in members for t, a in list(m["inputs"].values()) + list(m["outputs"].values())
+                           if t == main)
+        order = _order(_resolve(self.graph, main, main_access), sorted(full))
+        if inner is None:  # element-wise only: the trailing run of static letters (at least one)
+            k = len(order) - 1
+            while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
+                k -= 1
+            inner = frozenset(order[k:])
+        self.N = [c for c in order if c in inner]
+        self.R = [c for c in order if c not in inner]
+        self.full = full
+        self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
+        # Which produced tensors later members read (or softmax needs as scratch): buffered.
+        self.buffers, self.scalars = [], []
+        seen: dict[str, int] = {}
+        for i, m in enumerate(members):
+            for t, a in m["inputs"].values():
+                if t in seen and t not in self.buffers + self.scalars:
+                    (self.buffers if set(a) - set("0123456789") == full else self.scalars).append(t)
+            for t, a in m["outputs"].values():
+                seen[t] = i
+                if m["kind"] == "softmax" and t not in self.buffers:
+                    self.buffers.append(t)
+        self.lines_ = em
 
-    def _emit_add(self, op, ops, attrs):
-        out = ops.pop("y")
-        self._pointwise(out, ops, " + ".join(f"v_{c}" for c in sorted(ops)))
+    # helpers ------------------------------------------------------------------------------------
+    def w(self, line: str = "") -> None:
+        self.em.w(line)
 
-    def _emit_mask(self, op, ops, attrs):
-        out = ops.pop("y")
-        expr = "v_x + v_m"
-        if attrs.get("causal"):
-            letters = [c for c in out.access if not c.isdigit()]
-            j, k = letters[-2], letters[-1]
-            expr = f"(i_{k} > i_{j}) ? ({self.T})(-INFINITY) : ({expr})"
-        self._pointwise(out, ops, expr)
+    def memory(self, t: str) -> bool:
+        return t in self.graph.tensors
 
-    def _emit_dropout(self, op, ops, attrs):
-        out = ops.pop("y")
-        p = attrs["p"]
-        threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
-        scale = 1.0 / (1.0 - p)
-        index = "0"
-        for c in attrs["rng_dims"]:
-            index = f"({index}) * {_size(c)} + i_{c}" if index != "0" else f"i_{c}"
-        self.w("if (training) {")
-        self.indent += 1
-        self._pointwise(out, ops, f"ss::keep(seed, {attrs['stream']}u, (uint64_t)({index}), {threshold}u) "
-                                  f"? v_x * ({self.T}){scale!r} : ({self.T})0")
-        self.indent -= 1
-        self.w("} else {")
-        self.indent += 1
-        self._pointwise(out, ops, "v_x")
-        self.indent -= 1
-        self.w("}")
+    def read(self, t: str, a: str) -> str:
+        if t in self.buffers and t in self.ready:
+            return f"buf_{t}[n_]"
+        if t in self.scalars and t in self.ready:
+            return f"sc_{t}"
+        if not self.memory(t):
+            raise AssertionError(f"tensor {t} is neither in memory nor produced earlier in the kernel")
+        return f"{t}[{_resolve(self.graph, t, a).offset()}]"
 
-    def _emit_activation(self, op, ops, attrs):
-        out = ops.pop("y")
-        self._pointwise(out, ops, f"ss::{attrs['function']}(v_x)")
+    def put(self, t: str, a: str, value: str) -> list[str]:
+        res = []
+        if t in self.buffers:
+            res.append(f"buf_{t}[n_] = {value};")
+        if t in self.scalars:
+            res.append(f"sc_{t} = {value};")
+        if self.memory(t):
+            res.append(f"{t}[{_resolve(self.graph, t, a).offset()}] = {value};")
+        return res
 
-    def _emit_activation_grad(self, op, ops, attrs):
-        out = ops.pop("y")
-        self._pointwise(out, ops, f"v_dy * ss::{attrs['function']}_grad(v_x)")
-
-    # row kernels (reduction over one axis, parallel over the others) ----------------------------
-    def _rows(self, main: _Operand, axis: str, body) -> None:
-        letters = [c for c in _order(main, list(main.strides)) if c != axis]
-        self.loops(letters, body, parallel=True) if letters else body()
-
-    def _axis_loop(self, axis: str, stmts: list[str]) -> None:
-        self.w(f"for (int64_t i_{axis} = 0; i_{axis} < {_size(axis)}; ++i_{axis}) {{")
-        for s in stmts:
-            self.w("  " + s)
-        self.w("}")
-
-    def _emit_softmax(self, op, ops, attrs):
-        x, y, ax = ops["x"], ops["y"], attrs["axis"]
-
-        def body():
-            self.w(f"{self.T} mx = ({self.T})(-INFINITY);")
-            self._axis_loop(ax, [f"mx = std::max(mx, x_[{x.offset()}]);".replace("x_", x.name)])
-            self.w(f"if (mx == ({self.T})(-INFINITY)) {{  // every key masked: probabilities are 0")
-            self._axis_loop(ax, [f"{y.name}[{y.offset()}] = 0;"])
-            self.w("} else {")
-            self.w("  double sum = 0;")
-            self._axis_loop(ax, [f"const {self.T} e = std::exp({x.name}[{x.offset()}] - mx);",
-                                 f"{y.name}[{y.offset()}] = e; sum += e;"])
-            self.w(f"  const {self.T} inv = ({self.T})(1.0 / sum);")
-            self._axis_loop(ax, [f"{y.name}[{y.offset()}] *= inv;"])
+    def inner(self, stmts, reduction: str = "") -> None:
+        """Loops over the inner letters N with ``n_`` the row-buffer index; ``stmts`` may be a callable."""
+        for k, c in enumerate(self.N):
+            if k == len(self.N) - 1:
+                self.w(f"#pragma omp simd{' reduction(' + reduction + ')' if reduction else ''}")
+            self.w(f"for (int64_t i_{c} = 0; i_{c} < {_size(c)}; ++i_{c}) {{")
+            self.em.indent += 1
+        lin = "0"
+        for c in self.N:
+            lin = f"i_{c}" if lin == "0" else f"({lin}) * {_size(c)} + i_{c}"
+        self.w(f"const int64_t n_ = {lin}; (void)n_;")
+        for line in (stmts() if callable(stmts) else stmts):
+            self.w(line)
+        for _ in self.N:
+            self.em.indent -= 1
             self.w("}")
-        self._rows(x, ax, body)
 
-    def _emit_softmax_grad(self, op, ops, attrs):
-        dy, yv, dx, ax = ops["dy"], ops["probs"], ops["y"], attrs["axis"]
-
-        def body():
-            self.w("double dot = 0;")
-            self._axis_loop(ax, [f"dot += (double){dy.name}[{dy.offset()}] * {yv.name}[{yv.offset()}];"])
-            self._axis_loop(ax, [f"{dx.name}[{dx.offset()}] = {yv.name}[{yv.offset()}] * "
-                                 f"({dy.name}[{dy.offset()}] - ({self.T})dot);"])
-        self._rows(dy, ax, body)
-
-    def _emit_layer_norm(self, op, ops, attrs):
-        x, g, b, y, mean, rstd = (ops[k] for k in ("x", "gamma", "beta", "y", "mean", "rstd"))
-        ax = attrs["axis"]
-        n = _size(ax)
-
-        def body():
-            self.w("double s = 0;")
-            self._axis_loop(ax, [f"s += {x.name}[{x.offset()}];"])
-            self.w(f"const double mu = s / {n};")
-            self.w("double v = 0;")
-            self._axis_loop(ax, [f"const double d = {x.name}[{x.offset()}] - mu; v += d * d;"])
-            self.w(f"const double r = 1.0 / std::sqrt(v / {n} + {attrs['eps']!r});")
-            self.w(f"{mean.name}[{mean.offset()}] = ({self.T})mu; {rstd.name}[{rstd.offset()}] = ({self.T})r;")
-            self._axis_loop(ax, [f"{y.name}[{y.offset()}] = ({self.T})(({x.name}[{x.offset()}] - mu) * r) * "
-                                 f"{g.name}[{g.offset()}] + {b.name}[{b.offset()}];"])
-        self._rows(x, ax, body)
-
-    def _emit_layer_norm_grad(self, op, ops, attrs):
-        dy, x, mean, rstd, g, ax = ops["dy"], ops["x"], ops["mean"], ops["rstd"], ops["gamma"], attrs["axis"]
-        dx = ops["y"]
-        n = _size(ax)
-
-        def body():
-            self.w(f"const double mu = {mean.name}[{mean.offset()}], r = {rstd.name}[{rstd.offset()}];")
-            self.w("double s1 = 0, s2 = 0;")
-            self._axis_loop(ax, [f"const double gd = (double){g.name}[{g.offset()}] * {dy.name}[{dy.offset()}];",
-                                 f"s1 += gd; s2 += gd * (({x.name}[{x.offset()}] - mu) * r);"])
-            self.w(f"s1 /= {n}; s2 /= {n};")
-            self._axis_loop(ax, [f"const double gd = (double){g.name}[{g.offset()}] * {dy.name}[{dy.offset()}];",
-                                 f"{dx.name}[{dx.offset()}] = ({self.T})(r * (gd - s1 - "
-                                 f"(({x.name}[{x.offset()}] - mu) * r) * s2));"])
-        self._rows(x, ax, body)
-
-    # column reductions (sum over every letter not in the outputs) --------------------------------
-    def _column_reduce(self, main: _Operand, outs: list[_Operand], row_prelude: list[str],
-                       terms: list[str]) -> None:
-        """out_q[o] = sum over the reduced letters of terms[q], deterministic per thread count."""
-        keep = list(outs[0].strides)
-        red = [c for c in _order(main, list(main.strides)) if c not in keep]
-        keep = [c for c in _order(main, list(main.strides)) if c in keep]
-        nkeep = " * ".join(_size(c) for c in keep)
-        nred = " * ".join(_size(c) for c in red) or "1"
-        nq = len(outs)
-        self.w(f"const int64_t nkeep = {nkeep}, nred = {nred};")
-        self.w("const int nth = omp_get_max_threads();")
-        self.w(f"std::vector<double> part((size_t)nth * {nq} * nkeep, 0.0);")
+    # the kernel ---------------------------------------------------------------------------------
+    def emit(self) -> None:
+        T = self.T
+        nn = " * ".join(_size(c) for c in self.N)
+        self.w(f"const int64_t nrows_ = {' * '.join(_size(c) for c in self.R) or '1'}, nn_ = {nn};")
+        ncol = sum(len(m["outputs"]) for m in self.column)
+        if ncol:
+            self.w("const int nth_ = omp_get_max_threads();")
+            self.w(f"std::vector<double> part_((size_t)nth_ * {ncol} * nn_, 0.0);")
         self.w("#pragma omp parallel")
         self.w("{")
-        self.indent += 1
-        self.w("const int t = omp_get_thread_num(), nt = omp_get_num_threads();")
-        self.w(f"double* acc = part.data() + (size_t)t * {nq} * nkeep;")
-        self.w("const int64_t lo = nred * t / nt, hi = nred * (t + 1) / nt;")
-        self.w("for (int64_t r_ = lo; r_ < hi; ++r_) {")
-        self.indent += 1
-        self.w("int64_t rem_ = r_;")
-        for c in reversed(red):
-            self.w(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
-        for s in row_prelude:
-            self.w(s)
-        self.w("int64_t o_ = 0;")
-
-        def body():
-            for q, term in enumerate(terms):
-                self.w(f"acc[{q} * nkeep + o_] += {term};")
-            self.w("++o_;")
-        self.loops(keep, body, parallel=False)
-        self.indent -= 1
+        self.em.indent += 1
+        self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
+        if self.buffers:
+            self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
+            for k, t in enumerate(self.buffers):
+                self.w(f"{T}* __restrict__ buf_{t} = bufs_.data() + (size_t){k} * nn_;")
+        q = 0
+        self.acc = {}
+        for m in self.column:
+            for conn, (t, _) in sorted(m["outputs"].items()):
+                self.acc[t] = f"acc_{t}"
+                self.w(f"double* __restrict__ acc_{t} = part_.data() + ((size_t)t_ * {ncol} + {q}) * nn_;")
+                q += 1
+        self.w("const int64_t lo_ = nrows_ * t_ / nt_, hi_ = nrows_ * (t_ + 1) / nt_;")
+        self.w("for (int64_t row_ = lo_; row_ < hi_; ++row_) {")
+        self.em.indent += 1
+        if self.R:
+            self.w("int64_t rem_ = row_;")
+            for c in reversed(self.R):
+                self.w(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
+        for t in self.scalars:
+            self.w(f"double sc_{t} = 0;")
+        self.ready: set[str] = set()
+        for m in self.members:
+            self.w(f"{{  // {m['name']} ({m['kind']})")
+            self.em.indent += 1
+            getattr(self, f"_{m['kind']}")(m, m["attrs"])
+            self.em.indent -= 1
+            self.w("}")
+            self.ready.update(t for t, _ in m["outputs"].values())
+        self.em.indent -= 1
         self.w("}")
-        self.indent -= 1
+        self.em.indent -= 1
         self.w("}")
-        self.w("int64_t o_ = 0;")
+        q = 0
+        for m in self.column:
+            for conn, (t, a) in sorted(m["outputs"].items()):
+                off = _resolve(self.graph, t, a).offset()
+                qq = q
+                self.inner(lambda: [f"double s_ = 0; for (int t2_ = 0; t2_ < nth_; ++t2_) "
+                                    f"s_ += part_[((size_t)t2_ * {ncol} + {qq}) * nn_ + n_];",
+                                    f"{t}[{off}] = ({T})s_;"])
+                q += 1
 
-        def store():
-            for q, out in enumerate(outs):
-                self.w(f"{{ double s_ = 0; for (int t = 0; t < nth; ++t) s_ += part[((size_t)t * {nq} + {q}) * nkeep + o_];")
-                self.w(f"  {out.name}[{out.offset()}] = ({self.T})s_; }}")
-            self.w("++o_;")
-        self.loops(keep, store, parallel=False)
+    def _ew(self, m, expr) -> None:
+        (t, a), = m["outputs"].values()
+        loads = [f"const {self.T} v_{c} = {self.read(*ta)};" for c, ta in sorted(m["inputs"].items())]
+        self.inner(loads + [f"const {self.T} v_ = {expr};"] + self.put(t, a, "v_"))
 
-    def _emit_bias_grad(self, op, ops, attrs):
-        dy, db = ops["dy"], ops["y"]
-        self._column_reduce(dy, [db], [], [f"(double){dy.name}[{dy.offset()}]"])
+    # member kinds ------------------------------------------------------------------------------
+    def _bias(self, m, attrs):
+        self._ew(m, "v_x + v_b")
 
-    def _emit_layer_norm_param_grad(self, op, ops, attrs):
-        dy, x, mean, rstd = ops["dy"], ops["x"], ops["mean"], ops["rstd"]
-        prelude = [f"const double mu = {mean.name}[{mean.offset()}], r = {rstd.name}[{rstd.offset()}];"]
-        self._column_reduce(dy, [ops["dgamma"], ops["dbeta"]], prelude,
-                            [f"(double){dy.name}[{dy.offset()}] * (({x.name}[{x.offset()}] - mu) * r)",
-                             f"(double){dy.name}[{dy.offset()}]"])
+    def _add(self, m, attrs):
+        self._ew(m, " + ".join(f"v_{c}" for c in sorted(m["inputs"])))
+
+    def _mask(self, m, attrs):
+        expr = "v_x + v_m"
+        if attrs.get("causal"):
+            letters = [c for c in m["outputs"]["y"][1] if not c.isdigit()]
+            expr = f"(i_{letters[-1]} > i_{letters[-2]}) ? ({self.T})(-INFINITY) : ({expr})"
+        self._ew(m, expr)
+
+    def _dropout(self, m, attrs):
+        p = attrs["p"]
+        threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+        index = ""
+        for c in attrs["rng_dims"]:
+            index = f"({index}) * {_size(c)} + i_{c}" if index else f"i_{c}"
+        self._ew(m, f"training ? (ss::keep(seed, {attrs['stream']}u, (uint64_t)({index}), {threshold}u) "
+                    f"? v_x * ({self.T}){1.0 / (1.0 - p)!r} : ({self.T})0) : v_x")
+
+    def _activation(self, m, attrs):
+        self._ew(m, f"ss::{attrs['function']}(v_x)")
+
+    def _activation_grad(self, m, attrs):
+        self._ew(m, f"v_dy * ss::{attrs['function']}_grad(v_x)")
+
+    def _softmax(self, m, attrs):
+        x = self.read(*m["inputs"]["x"])
+        y, ya = m["outputs"]["y"]
+        T = self.T
+        self.w(f"{T} mx_ = ({T})(-INFINITY);")
+        self.inner([f"mx_ = std::max(mx_, ({T}){x});"], "max:mx_")
+        self.w(f"if (mx_ == ({T})(-INFINITY)) {{  // every key masked: probabilities are 0")
+        self.inner(self.put(y, ya, f"({T})0"))
+        self.w("} else {")
+        self.w("double s_ = 0;")
+        self.inner([f"const {T} e_ = std::exp(({T}){x} - mx_);", f"buf_{y}[n_] = e_;", "s_ += e_;"], "+:s_")
+        self.w(f"const {T} inv_ = ({T})(1.0 / s_);")
+        self.inner([f"const {T} v_ = buf_{y}[n_] * inv_;"] + self.put(y, ya, "v_"))
+        self.w("}")
+
+    def _softmax_grad(self, m, attrs):
+        dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])
+        t, a = m["outputs"]["y"]
+        self.w("double dot_ = 0;")
+        self.inner([f"dot_ += (double){dy} * {pr};"], "+:dot_")
+        self.inner([f"const {self.T} v_ = {pr} * ({dy} - ({self.T})dot_);"] + self.put(t, a, "v_"))
+
+    def _layer_norm(self, m, attrs):
+        x = self.read(*m["inputs"]["x"])
+        g, b = self.read(*m["inputs"]["gamma"]), self.read(*m["inputs"]["beta"])
+        (y, ya), (mt, ma), (rt, ra) = m["outputs"]["y"], m["outputs"]["mean"], m["outputs"]["rstd"]
+        self.w("double s_ = 0;")
+        self.inner([f"s_ += {x};"], "+:s_")
+        self.w("const double mu_ = s_ / nn_;")
+        self.w("double v2_ = 0;")
+        self.inner([f"const double d_ = {x} - mu_;", "v2_ += d_ * d_;"], "+:v2_")
+        self.w(f"const double r_ = 1.0 / std::sqrt(v2_ / nn_ + {attrs['eps']!r});")
+        for line in self.put(mt, ma, f"({self.T})mu_") + self.put(rt, ra, f"({self.T})r_"):
+            self.w(line)
+        self.inner([f"const {self.T} v_ = ({self.T})(({x} - mu_) * r_) * {g} + {b};"] + self.put(y, ya, "v_"))
+
+    def _layer_norm_grad(self, m, attrs):
+        dy, x, g = (self.read(*m["inputs"][k]) for k in ("dy", "x", "gamma"))
+        mu, r = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
+        t, a = m["outputs"]["y"]
+        self.w(f"const double mu_ = {mu}, r_ = {r};")
+        self.w("double s1_ = 0, s2_ = 0;")
+        self.inner([f"const double gd_ = (double){g} * {dy};", "s1_ += gd_;",
+                    f"s2_ += gd_ * (({x} - mu_) * r_);"], "+:s1_,s2_")
+        self.w("s1_ /= nn_; s2_ /= nn_;")
+        self.inner([f"const double gd_ = (double){g} * {dy};",
+                    f"const {self.T} v_ = ({self.T})(r_ * (gd_ - s1_ - (({x} - mu_) * r_) * s2_));"]
+                   + self.put(t, a, "v_"))
+
+    def _bias_grad(self, m, attrs):
+        dy = self.read(*m["inputs"]["dy"])
+        (t, _), = m["outputs"].values()
+        self.inner([f"{self.acc[t]}[n_] += {dy};"])
+
+    def _layer_norm_param_grad(self, m, attrs):
+        dy, x = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["x"])
+        mu, r = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
+        dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
+        self.w(f"const double mu_ = {mu}, r_ = {r};")
+        self.inner([f"{self.acc[dg]}[n_] += (double){dy} * (({x} - mu_) * r_);", f"{self.acc[db]}[n_] += {dy};"])
 
 
 def _numel(dims: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any
 
 import torch
@@ -51,16 +52,22 @@ def _check_uniform_dtype(module: nn.Module, what: str) -> str:
     return _dtype_name(dtypes.pop(), what)
 
 
-def _build(config: EncoderConfig, cache: dict | None) -> EncoderLayer:
-    """A fresh :class:`EncoderLayer` for ``config``; with ``cache``, layers of equal configs share one
-    loaded build (each still gets its own parameters)."""
-    if cache is None:
-        from . import compile as _compile
-        return _compile(config)
-    from .pipeline import compile_layer
-    if config not in cache:
-        cache[config] = compile_layer(config)
-    return EncoderLayer(cache[config])
+_COMPILED: dict = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def _build(config: EncoderConfig) -> EncoderLayer:
+    """A fresh :class:`EncoderLayer` for ``config``. Builds are memoised per process by config, so layers
+    of equal configs share one loaded build (on top of Substation's on-disk build cache); each layer
+    still gets its own parameters."""
+    from . import compile as _compile
+    with _COMPILED_LOCK:
+        compiled = _COMPILED.get(config)
+        if compiled is None:
+            layer = _compile(config)
+            _COMPILED[config] = layer.compiled
+            return layer
+    return EncoderLayer(compiled)
 
 
 def _copy_parameters(layer: EncoderLayer, sources: dict[str, list[torch.Tensor | None]], fill: dict[str, float]):
@@ -198,9 +205,9 @@ def _hf_layer_config(bert_layer: nn.Module, overrides: dict) -> EncoderConfig:
     return base.replace(**overrides)
 
 
-def _from_hf(bert_layer: nn.Module, overrides: dict, cache: dict | None) -> EncoderLayer:
+def _from_hf(bert_layer: nn.Module, overrides: dict) -> EncoderLayer:
     config = _hf_layer_config(bert_layer, dict(overrides))
-    layer = _build(config, cache)
+    layer = _build(config)
     sa, attn = bert_layer.attention.self, bert_layer.attention
     ln1, ln2 = attn.output.LayerNorm, bert_layer.output.LayerNorm
     _copy_parameters(layer, {
@@ -237,7 +244,8 @@ def from_hf(bert_layer: nn.Module, **config_overrides) -> EncoderLayer:
     ``attention.output.dense``; ``linear1_*`` [U, I] / [U] = ``intermediate.dense``; ``linear2_*``
     [I, U] / [I] = ``output.dense``; ``norm1_*`` [I] = ``attention.output.LayerNorm``; ``norm2_*`` [I] =
     ``output.LayerNorm``. Parameters are float32 or float64 like the source, on the CPU, and require
-    grad where the source's did. The new layer is in the source's train/eval mode. Chunked
+    grad where the source's did. The new layer is in the source's train/eval mode. Compiled builds
+    are memoised per process by config (layers of equal configs share one). Chunked
     feed-forward (``chunk_size_feed_forward``) is accepted: it is the same function.
 
     Args:
@@ -255,7 +263,7 @@ def from_hf(bert_layer: nn.Module, **config_overrides) -> EncoderLayer:
         TypeError: weights that are not float32 or float64, or of mixed dtypes.
         ConfigError: an invalid override. ToolchainError, BuildError: compilation failed.
     """
-    return _from_hf(bert_layer, config_overrides, None)
+    return _from_hf(bert_layer, config_overrides)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,7 +337,7 @@ def from_torch(layer: nn.TransformerEncoderLayer, **config_overrides) -> Encoder
         ConfigError: an invalid override. ToolchainError, BuildError: compilation failed.
     """
     config = _torch_layer_config(layer, dict(config_overrides))
-    new = _build(config, None)
+    new = _build(config)
     sa = layer.self_attn
     _copy_parameters(new, {
         "in_proj_weight": [sa.in_proj_weight], "in_proj_bias": [sa.in_proj_bias],
@@ -372,9 +380,9 @@ class HFBertLayer(nn.Module):
     * also the 2-D forms [B, K] (additive float, or bool/int with True/1 = attend) and [B, 1, 1, K].
 
     A [B, 1, J, K] mask must be the same for every query (a key padding mask); it is reduced to [B, K].
-    Queries whose keys are all masked (a sequence that is entirely padding) yield a uniform attention
-    with a ``finfo.min`` mask and zero attention probabilities with a bool mask; ``BertLayer`` gives
-    uniform probabilities (eager) or NaN-free undefined values (sdpa) there: only such rows differ.
+    A sequence that is entirely padding gets uniform attention probabilities with an eager
+    (``finfo.min``) mask and zero probabilities with a bool (sdpa) mask, which is also what ``BertLayer``
+    computes in those two cases (transformers 5.24, torch 2.13).
 
     ``encoder_hidden_states`` / ``encoder_attention_mask`` are ignored, as a non-decoder ``BertLayer``
     ignores them; ``position_ids`` and other keyword arguments are accepted and ignored.
@@ -488,8 +496,7 @@ def optimize(model: nn.Module, **config_overrides) -> nn.Module:
         raise ValueError("optimize() replaces the BertLayers inside a model; wrap a bare BertLayer with "
                          "HFBertLayer(from_hf(layer)) instead")
     _install_capture_hooks(model)
-    cache: dict = {}
-    new_layers = [HFBertLayer(_from_hf(m, config_overrides, cache)) for _, m in targets]  # convert all, then swap
+    new_layers = [HFBertLayer(_from_hf(m, config_overrides)) for _, m in targets]  # convert all, then swap
     for (name, old), new in zip(targets, new_layers):
         new._forward_pre_hooks.update(old._forward_pre_hooks)
         new._forward_hooks.update(old._forward_hooks)

@@ -8,6 +8,7 @@ from .build import build_libraries
 from .codegen import generate_cpu
 from .config import EncoderConfig, load_config
 from .graph import build_forward
+from .passes import fuse as fuse_pass
 from .runtime import CompiledGraph, CompiledLayer
 
 __all__ = ["STAGES", "compile_graphs", "compile_layer"]
@@ -16,22 +17,34 @@ __all__ = ["STAGES", "compile_graphs", "compile_layer"]
 STAGES = (
     ("graph", "build the forward SDFG from the config"),
     ("autodiff", "derive the backward SDFG; mark what forward saves"),
+    ("fusion", "group element-wise and normalization operators into row kernels"),
     ("codegen", "generate C++ for each graph"),
     ("build", "compile and link against BLAS, through the build cache"),
     ("load", "load the libraries behind torch.autograd"),
 )
 
 
-def compile_graphs(config: EncoderConfig):
-    """Stages ``graph`` and ``autodiff``: the (forward, backward) :class:`~substation.graph.LayerGraph`."""
-    return build_backward(build_forward(config))
+def compile_graphs(config: EncoderConfig, fuse_ops: bool = False):
+    """Stages ``graph``, ``autodiff`` and (with ``fuse_ops``) ``fusion``: the (forward, backward)
+    :class:`~substation.graph.LayerGraph` pair."""
+    fwd, bwd = build_backward(build_forward(config))
+    if fuse_ops:
+        fwd, bwd = fuse_pass(fwd), fuse_pass(bwd)
+    return fwd, bwd
 
 
-def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False) -> CompiledLayer:
+def optimize_graphs(config: EncoderConfig):
+    """The optimized (forward, backward) graphs: every optimization stage applied."""
+    return compile_graphs(config, fuse_ops=True)
+
+
+def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
+                  fuse: bool = True) -> CompiledLayer:
     """Run every stage for ``config`` (a config, a YAML path or a bundled config name).
 
     ``progress``, if given, is called with each stage name as it starts. ``instrument`` adds
-    per-operator timers (:meth:`~substation.runtime.CompiledGraph.op_seconds`).
+    per-operator timers (:meth:`~substation.runtime.CompiledGraph.op_seconds`); ``fuse=False`` skips
+    the fusion stage (one kernel per operator).
 
     Raises:
         ConfigError, FileNotFoundError: a bad config.
@@ -40,8 +53,12 @@ def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, in
     config = load_config(config)
     step = progress or (lambda name: None)
     step("graph")
+    fwd = build_forward(config)
     step("autodiff")
-    fwd, bwd = compile_graphs(config)
+    fwd, bwd = build_backward(fwd)
+    step("fusion")
+    if fuse:
+        fwd, bwd = fuse_pass(fwd), fuse_pass(bwd)
     step("codegen")
     sources = {"forward": generate_cpu(fwd, instrument), "backward": generate_cpu(bwd, instrument)}
     step("build")

@@ -14,20 +14,22 @@ def test_compile_writes_everything(tmp_path, capsys):
     assert files == ["backward.cpp", "backward.sdfg", "backward.so", "forward.cpp", "forward.sdfg", "forward.so",
                      "report.json"]
     report = json.loads((out / "report.json").read_text())
-    assert report["operators"] == {"forward": 20, "backward": 27}
-    assert report["operators_by_class"]["forward"] == {"TC": 6, "SN": 3, "EW": 11}
+    assert report["operators"] == {"forward": 11, "backward": 18}  # 6 + 5 and 12 + 6 kernels
+    assert report["operators_by_class"]["forward"] == {"TC": 6, "SN": 3, "EW": 2}
     assert report["max_rel_error_vs_pytorch"] < 1e-10
     assert report["speedup_vs_eager"] > 0 and len(report["forward_backward_seconds_median"]) == 2
     text = capsys.readouterr().out
     assert "max relative error" in text and "speedup" in text
     # recompiling replaces the folder as a whole
-    assert main(["compile", "tiny", "--out", str(out), "--repeats", "1"]) == 0
+    assert main(["compile", "tiny", "--out", str(out), "--repeats", "1", "--no-fuse"]) == 0
+    assert json.loads((out / "report.json").read_text())["operators"] == {"forward": 20, "backward": 27}
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
 
 
 def test_graphs_and_errors(tmp_path, capsys):
     assert main(["graphs", "tiny", "--out", str(tmp_path / "g")]) == 0
-    assert sorted(os.listdir(tmp_path / "g")) == ["tiny.backward.sdfg", "tiny.forward.sdfg"]
+    assert sorted(os.listdir(tmp_path / "g")) == ["tiny.backward.fused.sdfg", "tiny.backward.sdfg",
+                                                  "tiny.forward.fused.sdfg", "tiny.forward.sdfg"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("hidden_size: 30\nnum_heads: 4\n")
     assert main(["compile", str(bad), "--out", str(tmp_path / "x")]) == 2

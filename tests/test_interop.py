@@ -46,6 +46,7 @@ def randomize_(module, seed):
 
 
 def hf_layer(dtype, **kw):
+    kw.setdefault("attn_implementation", "eager")
     torch.manual_seed(0)
     layer = BertLayer(bert_config(**kw)).to(dtype)
     return randomize_(layer, 1).eval()
@@ -135,17 +136,18 @@ def test_from_hf_weights_copied_and_source_untouched():
         assert torch.equal(v, before[k]), k
 
 
-def test_from_hf_keeps_train_mode_and_overrides():
+def test_from_hf_keeps_train_mode():
     ref = hf_layer(torch.float64).train()
-    ours = from_hf(ref, max_seq_len=8, name="override")
-    assert ours.training and ours.config.max_seq_len == 8 and ours.config.name == "override"
+    assert from_hf(ref).training
+    assert not from_hf(ref.eval()).training
 
 
 @pytest.mark.parametrize("act,expected", [("gelu_new", "gelu_tanh"), ("relu", "relu")])
 def test_from_hf_activations(act, expected):
     ref = hf_layer(torch.float64, hidden_act=act)
-    ours = HFBertLayer(from_hf(ref))
+    ours = HFBertLayer(from_hf(ref, max_seq_len=J, name=f"hf-{act}"))  # config overrides apply last
     assert ours.layer.config.activation == expected
+    assert (ours.layer.config.max_seq_len, ours.layer.config.name) == (J, f"hf-{act}")
     torch.manual_seed(3)
     x = torch.randn(B, J, I, dtype=torch.float64)
     mask = hf_mask(ref.attention.self.config, x, key_mask_2d())
