@@ -484,11 +484,19 @@ def optimize(model: nn.Module, **config_overrides) -> nn.Module:
         ``model``, modified.
 
     Raises:
-        ValueError, TypeError: a layer :func:`from_hf` cannot convert (nothing is replaced then).
+        ValueError, TypeError: a layer :func:`from_hf` cannot convert (nothing is replaced then), or
+            ``model`` is itself a ``BertLayer``.
+        RuntimeError: ``transformers`` older than 5.0 (its BertLayer calling convention differs).
+        ImportError: ``transformers`` is not installed.
         ToolchainError, BuildError: compilation failed.
     """
+    import transformers
     from transformers.models.bert.modeling_bert import BertLayer
 
+    major = int(str(transformers.__version__).split(".")[0])
+    if major < 5:
+        raise RuntimeError(f"optimize() needs transformers >= 5 (BertLayer returns a tensor and BertModel passes "
+                           f"4-D masks from 5.0 on); found {transformers.__version__}")
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, BertLayer)]
     if not targets:
         return model
