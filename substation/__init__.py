@@ -12,6 +12,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 __version__ = "0.1.0"
 
 from .config import ConfigError, EncoderConfig, load_config  # noqa: E402
+from .interop import optimize  # noqa: E402
 from .runtime import EncoderLayer  # noqa: E402
 
 
@@ -28,4 +29,4 @@ def compile(config, progress=None) -> EncoderLayer:  # noqa: A001 - the package'
     return EncoderLayer(compile_layer(config, progress))
 
 
-__all__ = ["ConfigError", "EncoderConfig", "EncoderLayer", "compile", "load_config", "__version__"]
+__all__ = ["ConfigError", "EncoderConfig", "EncoderLayer", "compile", "load_config", "optimize", "__version__"]

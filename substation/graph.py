@@ -35,6 +35,7 @@ STATIC_DIMENSIONS = ("H", "P", "I", "U")
 RUNTIME_DIMENSIONS = ("B", "J", "K")
 
 OP_CLASSES = ("TC", "SN", "EW")
+_NO_DEBUGINFO = dace.dtypes.DebugInfo(0)
 
 
 @dace.library.node
@@ -216,7 +217,8 @@ class GraphBuilder:
 
     def _node(self, name: str) -> dace.nodes.AccessNode:
         if name not in self._nodes:
-            self._nodes[name] = self.state.add_access(name)
+            # An explicit debuginfo spares DaCe an inspect.stack() per node (most of the build time).
+            self._nodes[name] = self.state.add_access(name, debuginfo=_NO_DEBUGINFO)
         return self._nodes[name]
 
     def op(self, name: str, kind: str, op_class: str, inputs: dict[str, str], outputs: dict[str, str],
@@ -236,6 +238,7 @@ class GraphBuilder:
         outs = {c: _parse_ref(r, self.tensors) for c, r in outputs.items()}
         node = Operator(name, kind, op_class, self.phase, inputs=ins, outputs=outs,
                         accesses={c: a for c, (_, a) in {**ins, **outs}.items()}, attrs=attrs)
+        node.debuginfo = _NO_DEBUGINFO
         self.state.add_node(node)
         for c, (t, a) in ins.items():
             self.state.add_edge(self._node(t), None, node, c, dace.Memlet(data=t, subset=self._subset(t, a)))
