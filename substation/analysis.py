@@ -743,7 +743,7 @@ def plot_report(analysis: Analysis, path: str) -> None:
                 ax.annotate(f"{v:.1f}" if v >= 0.05 or v == 0 else f"{v:.2f}", (b_.get_x() + b_.get_width() / 2, v),
                             ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
         k = a.kernels()[phase]
-        ax.set_xticks(x, [f"{c}\n({k[c]} kernels)" for c in OP_CLASSES])
+        ax.set_xticks(x, [f"{c}\n({k[c]} kernel{'' if k[c] == 1 else 's'})" for c in OP_CLASSES])
         sub = f"{t['flop'] / 1e9:.1f} GFLOP, {t['bytes'] / 1e6:.0f} MB"
         if m:
             sub += f", {t['seconds'] * 1e3:.1f} ms"

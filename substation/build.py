@@ -27,7 +27,8 @@ __all__ = ["ToolchainError", "BuildError", "Toolchain", "toolchain", "cache_dir"
            "build_libraries"]
 
 _HEADER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math")
 
 
 class ToolchainError(RuntimeError):

@@ -423,8 +423,13 @@ class _RowKernel:
         index = ""
         for c in attrs["rng_dims"]:
             index = f"({index}) * {_size(c)} + i_{c}" if index else f"i_{c}"
-        self._ew(m, f"training ? (ss::keep(seed, {attrs['stream']}u, (uint64_t)({index}), {threshold}u) "
-                    f"? v_x * ({self.T}){1.0 / (1.0 - p)!r} : ({self.T})0) : v_x")
+        # Two loops rather than a test per element: eval mode copies.
+        self.w("if (training) {")
+        self._ew(m, f"ss::dropout(v_x, seed, {attrs['stream']}u, (uint64_t)({index}), {threshold}u, "
+                    f"({self.T}){1.0 / (1.0 - p)!r})")
+        self.w("} else {")
+        self._ew(m, "v_x")
+        self.w("}")
 
     def _activation(self, m, attrs):
         self._ew(m, f"ss::{attrs['function']}(v_x)")
@@ -442,7 +447,7 @@ class _RowKernel:
         self.inner(self.put(y, ya, f"({T})0"))
         self.w("} else {")
         self.w("double s_ = 0;")
-        self.inner([f"const {T} e_ = std::exp(({T}){x} - mx_);", f"buf_{y}[n_] = e_;", "s_ += e_;"], "+:s_")
+        self.inner([f"const {T} e_ = ss::exp_(({T}){x} - mx_);", f"buf_{y}[n_] = e_;", "s_ += e_;"], "+:s_")
         self.w(f"const {T} inv_ = ({T})(1.0 / s_);")
         self.inner([f"const {T} v_ = buf_{y}[n_] * inv_;"] + self.put(y, ya, "v_"))
         self.w("}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 
 import torch
 from torch import nn
@@ -41,6 +42,10 @@ class CompiledGraph:
         self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         self._ws.restype = ctypes.c_int64
         self.dtype = TORCH_DTYPES[graph.config.dtype]
+        # Temporaries live only during a call: one workspace is reused (fresh pages would fault
+        # on every call); a concurrent call from another thread gets its own.
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._workspace_lock = threading.Lock()
         self.instrumented = hasattr(self.lib, "substation_op_names")
         if self.instrumented:
             self.lib.substation_op_names.restype = ctypes.c_char_p
@@ -75,8 +80,17 @@ class CompiledGraph:
         tensors = {**given, **produced}
         ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
-        ws = torch.empty(self._ws(dims), dtype=torch.uint8)
-        rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training))
+        need = self._ws(dims)
+        if self._workspace_lock.acquire(blocking=False):
+            try:
+                if self._workspace.numel() < need:
+                    self._workspace = torch.empty(need, dtype=torch.uint8)
+                rc = self._run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training))
+            finally:
+                self._workspace_lock.release()
+        else:
+            ws = torch.empty(need, dtype=torch.uint8)
+            rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training))
         if rc != 0:
             raise RuntimeError(f"{self.graph.phase} library returned error code {rc}")
         return produced

@@ -260,8 +260,8 @@ def _rebuild(graph: LayerGraph, ops: list[_Op], groups: list[list[str]], keep: s
         ins, outs = {}, {}
         for m in members:
             for t, a in m.inputs.values():
-                if t not in produced:
-                    ins.setdefault(f"in_{t}", f"{t}[{a}]")
+                if t not in produced and ins.setdefault(f"in_{t}", f"{t}[{a}]") != f"{t}[{a}]":
+                    raise NotImplementedError(f"kernel reads {t} through two different accesses")
             for t, a in m.outputs.values():
                 if t in external:
                     outs.setdefault(f"out_{t}", f"{t}[{a}]")
