@@ -74,7 +74,10 @@ def toolchain() -> Toolchain:
     exe = shutil.which(cxx)
     if exe is None:
         raise ToolchainError(f"C++ compiler {cxx!r} not found on PATH (set $CXX or install g++)")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    lines = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.splitlines()
+    if not lines:
+        raise ToolchainError(f"C++ compiler {exe!r} printed no version (is $CXX a C++ compiler?)")
+    version = lines[0]
     prefixes = [sys.prefix, os.environ.get("MKLROOT", "")]
     include = next((os.path.join(p, "include") for p in prefixes
                     if p and os.path.exists(os.path.join(p, "include", "mkl_cblas.h"))), None)
@@ -160,6 +163,19 @@ def _discard(entry: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None:
+    """Delete build folders left by killed builds (older than a day: no build runs that long)."""
+    now = time.time()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".tmp-") or ".trash-" in name:
+            try:
+                if now - os.path.getmtime(path) > age_seconds:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildResult:
     """A built library: its path, whether it came from the cache, and the compile time in seconds."""
@@ -184,6 +200,7 @@ def build_library(source: str, label: str = "lib") -> BuildResult:
             return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
         _discard(entry)
     tc = toolchain()
+    _remove_stale_temporaries(root)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
     try:
         src = os.path.join(tmp, "source.cpp")

@@ -1,4 +1,4 @@
-"""Command line: ``substation compile | graphs`` (also ``python -m substation``)."""
+"""Command line: ``substation compile | graphs | report | bench`` (also ``python -m substation``)."""
 from __future__ import annotations
 
 import argparse
@@ -37,24 +37,11 @@ def publish_dir(build, out: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def time_forward_backward(module, x, mask, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` forward+backward steps of ``module(x, mask)`` (one warm-up first)."""
-    import torch
-    times = []
-    for r in range(repeats + 1):
-        xg = x.detach().requires_grad_()
-        t0 = time.perf_counter()
-        y = module(xg, mask)
-        y.backward(torch.ones_like(y))
-        if r:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def cmd_compile(args) -> int:
     import torch
     from tqdm import tqdm
 
+    from .bench import Candidate, interleaved_times
     from .config import load_config
     from .pipeline import STAGES, compile_layer
     from .reference import ReferenceEncoderLayer
@@ -69,9 +56,11 @@ def cmd_compile(args) -> int:
         bar.n = names.index(name)
         bar.set_postfix_str(name)
     t0 = time.perf_counter()
-    compiled = compile_layer(config, progress=step, fuse=not args.no_fuse)
-    bar.n = bar.total
-    bar.close()
+    try:
+        compiled = compile_layer(config, progress=step, fuse=not args.no_fuse, layout=args.layout)
+        bar.n = bar.total
+    finally:
+        bar.close()
     total = time.perf_counter() - t0
     layer = EncoderLayer(compiled)
     ref = ReferenceEncoderLayer(config, layer.torch_dtype)
@@ -88,11 +77,10 @@ def cmd_compile(args) -> int:
         y, y_ref = layer(x, mask), ref(x, mask)
     err = float((y - y_ref).abs().max() / y_ref.abs().max())
     layer.train(), ref.train()
-    times = {"substation": [], "pytorch_eager": []}
-    for _ in range(args.repeats):  # interleaved
-        times["substation"] += time_forward_backward(layer, x, mask, 1)
-        times["pytorch_eager"] += time_forward_backward(ref, x, mask, 1)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times = interleaved_times([Candidate("substation", lambda t: layer(t, mask), list(layer.parameters())),
+                               Candidate("pytorch_eager", lambda t: ref(t, mask), list(ref.parameters()))],
+                              x, torch.ones_like(x), args.repeats, warmup=1)
+    med = {k: statistics.median(v["forward_backward"]) for k, v in times.items()}
     fwd, bwd = compiled.forward.graph, compiled.backward.graph
     report = {
         "config": config.to_dict(),
@@ -190,6 +178,86 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """``substation bench``: Substation vs PyTorch eager vs torch.compile, or ``--kernels`` (docs/performance.md)."""
+    from . import bench
+
+    if args.repeats < 1 or args.warmup < 0:
+        print(f"substation: error: need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}",
+              file=sys.stderr)
+        return 2
+    if args.compare_layouts:
+        return cmd_compare_layouts(args)
+    if args.kernels:
+        result = bench.kernel_table(args.config, repeats=args.repeats, warmup=args.warmup,
+                                    batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout)
+        text, plot = bench.format_kernels(result), bench.plot_kernels
+    else:
+        result = bench.run_bench(args.config, repeats=args.repeats, warmup=args.warmup, batch_size=args.batch_size,
+                                 seq_len=args.seq_len, include_compile=not args.no_compile, hf_attn=args.hf_attn,
+                                 layout=args.layout, progress=bench._progress)
+        text, plot = bench.format_bench(result), bench.plot_bench
+    print(text)
+    try:
+        if args.json:
+            bench.write_json(result, args.json)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot(result, args.plot)
+            print(f"wrote {args.plot}")
+    except ImportError as e:
+        print(f"substation: error: --plot needs matplotlib ({e})", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"substation: error: cannot write the results: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_tune(args) -> int:
+    """``substation tune``: measure layout candidates on this machine and write a plan (docs/layouts.md)."""
+    from .config import load_config
+    from .tune import tune
+
+    config = load_config(args.config)
+    if args.target != config.target:
+        print(f"substation: error: --target {args.target} but the config targets {config.target}", file=sys.stderr)
+        return 2
+    out = args.out or f"{config.name}.plan.json"
+    result = tune(config, fuse=not args.no_fuse, budget_s=args.budget, repeats=args.repeats,
+                  log=lambda s: print(s, file=sys.stderr))
+    result.plan.save(out)
+    r, sol = result.report, result.solution
+    changed = sum(1 for t, tv in result.problem.tensors.items() if sol.layouts[t] != tv.dims)
+    print(f"tuned {config.name} in {r['tune_seconds']:.0f} s: {r['measured_candidates']} candidates and "
+          f"{r['measured_transposes']} transposes measured, {r['rounds']} rounds")
+    print(f"exact solve: {sol.solve_seconds:.2f} s; optimum {sol.objective * 1e3:.2f} ms, lower bound "
+          f"{sol.lower_bound * 1e3:.2f} ms, PyTorch layouts {sol.default_seconds * 1e3:.2f} ms (forward+backward, "
+          f"sum of kernel medians)")
+    print(f"{changed} tensors change layout, {len(sol.transposes)} transposes; wrote {out}")
+    return 0
+
+
+def cmd_compare_layouts(args) -> int:
+    """``substation bench CONFIG --compare-layouts``: default vs tuned layouts, interleaved, one process."""
+    from .config import load_config
+    from .tune import compare_layouts
+
+    config = load_config(args.config)
+    plan = args.layout or config.name
+    r = compare_layouts(config, plan, repeats=args.repeats, warmup=args.warmup,
+                        progress=lambda s: print(s, file=sys.stderr))
+    print(f"{config.name} B={config.batch_size} L={config.max_seq_len} {config.dtype}, plan {plan}: "
+          f"forward+backward median of {r['repeats']} interleaved rounds: default {r['default_seconds'] * 1e3:.1f} ms, "
+          f"tuned {r['tuned_seconds'] * 1e3:.1f} ms (outputs agree to {r['max_rel_diff']:.1e})")
+    print(f"layout_speedup {r['layout_speedup']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="substation", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,7 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default out/<config name>)")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps per implementation")
     p.add_argument("--no-fuse", action="store_true", help="skip the fusion pass (one kernel per operator)")
+    p.add_argument("--layout", metavar="PLAN|default",
+                   help="apply a layout plan (JSON path or bundled name); default keeps PyTorch's layouts")
     p.set_defaults(func=cmd_compile)
+    p = sub.add_parser("tune", help="measure layout candidates on this machine; write a layout plan")
+    p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
+    p.add_argument("--target", default="cpu", choices=("cpu",), help="code-generation target (default cpu)")
+    p.add_argument("--out", metavar="PLAN", help="plan file to write (default <config name>.plan.json)")
+    p.add_argument("--budget", type=float, default=900.0, help="seconds of measuring at most (default 900)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per microbenchmark (default 5)")
+    p.add_argument("--no-fuse", action="store_true", help="tune the unfused graphs")
+    p.set_defaults(func=cmd_tune)
     p = sub.add_parser("graphs", help="regenerate the saved SDFGs of the reference configs")
     p.add_argument("configs", nargs="*", help=f"configs (default: {', '.join(REFERENCE_CONFIGS)})")
     p.add_argument("--out", default="graphs", help="output folder (default graphs/)")
@@ -213,6 +291,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the compiled layer with per-operator timers and a STREAM-like copy")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps with --measure (default 5)")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("bench", help="time forward/backward against PyTorch eager and torch.compile (or --kernels)")
+    p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="also write a bar chart")
+    p.add_argument("--repeats", type=int, default=20, help="timed interleaved rounds (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each implementation first (default 3)")
+    p.add_argument("--batch-size", type=int, metavar="B", help="override the config's batch size")
+    p.add_argument("--seq-len", type=int, metavar="L", help="override the config's sequence length")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="attn_implementation of the Hugging Face BertLayer baseline (default sdpa)")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: time each memory-bound kernel and compare with the copy bandwidth")
+    p.add_argument("--compare-layouts", action="store_true",
+                   help="instead: default vs tuned layout plan; prints layout_speedup (default / tuned time)")
+    p.add_argument("--layout", metavar="PLAN", help="the tuned plan for --compare-layouts (default: bundled "
+                                                    "configs/<config name>.plan.json); otherwise the plan "
+                                                    "Substation compiles with (default: PyTorch's layouts)")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -221,9 +318,10 @@ def main(argv=None) -> int:
     from .build import BuildError, ToolchainError
     from .codegen import LayoutError
     from .config import ConfigError
+    from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, LayoutError, ToolchainError, BuildError) as e:
+    except (ConfigError, FileNotFoundError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible) as e:
         print(f"substation: error: {e}", file=sys.stderr)
         return 2

@@ -85,8 +85,8 @@ class ReferenceEncoderLayer(nn.Module):
             s = s + mask[:, None, None, :]
         if c.mask == "causal":
             s = s.masked_fill(torch.ones(j, j, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
-        a = torch.softmax(s, dim=-1)
-        a = torch.where(s.amax(-1, keepdim=True) == float("-inf"), torch.zeros_like(a), a)
+        dead = s.amax(-1, keepdim=True) == float("-inf")  # every key masked: probabilities 0
+        a = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         a = F.dropout(a, c.dropout.attention, train)
         ctx = torch.matmul(a, v).transpose(1, 2).reshape(b, j, i)
         o = F.dropout(F.linear(ctx, self.out_proj_weight, self.out_proj_bias), c.dropout.hidden, train)

@@ -51,7 +51,8 @@ def run(module, x, g, **mask):
     module.zero_grad()
     y = module(x, **mask)
     y.backward(g.to(y.dtype))
-    return {"Y": y.detach(), "dX": x.grad.detach(), **{n: p.grad.detach().clone() for n, p in module.named_parameters()}}
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    return {"Y": y.detach(), "dX": x.grad.detach(), **grads}
 
 
 def additive(pad, dtype=torch.float64, value=float("-inf")):
@@ -63,13 +64,13 @@ def check_against_reference(layer, x, g, ours_mask: dict, ref_mask, names=None, 
     Returns the errors by name."""
     ours = run(layer, x.to(layer.torch_dtype), g, **ours_mask)
     want = run(reference_for(layer), x.double(), g, mask=ref_mask)
-    for t in ours.values():
-        assert torch.isfinite(t).all()
-    errors = {}
     torch32 = None
     if layer.torch_dtype == torch.float32:
         torch32 = run(reference_for(layer, torch.float32), x.float(), g,
                       mask=None if ref_mask is None else ref_mask.float())
+    for t in ours.values():
+        assert torch.isfinite(t).all()
+    errors = {}
     for name in names or want:
         e = rel(ours[name], want[name])
         errors[name] = e
@@ -197,16 +198,14 @@ def test_mask_kinds_left_padding_holes_fully_masked(config, kind):
 
 def test_fully_masked_sequence_documented_value():
     """All keys masked with -inf: zero attention probabilities, so the attention output is out_proj_bias and
-    (post-LN) Y = LN2(h + FFN(h)) with h = LN1(X + out_proj_bias); gradients are finite, the in_proj
-    gradients are exactly zero, and everything matches the reference."""
+    (post-LN) Y = LN2(h + FFN(h)) with h = LN1(X + out_proj_bias); gradients are finite, those of
+    in_proj_weight, in_proj_bias and out_proj_weight exactly zero, and everything matches the reference."""
     layer = make_layer(TINY)
     x, g = randn(1, 5, 16, seed=5), randn(1, 5, 16, seed=6)
     pad = torch.ones(1, 5, dtype=torch.bool)
     ours = run(layer, x, g, key_padding_mask=pad)
     for t in ours.values():
         assert torch.isfinite(t).all()
-    assert torch.equal(ours["in_proj_weight"], torch.zeros_like(ours["in_proj_weight"]))
-    assert torch.equal(ours["in_proj_bias"], torch.zeros_like(ours["in_proj_bias"]))
     assert torch.equal(forward_tensors(layer, x, additive(pad))["A"], torch.zeros(1, 4, 5, 5, dtype=torch.float64))
     p = {n: getattr(layer, n).detach() for n in layer.parameter_names}
     eps = TINY.layer_norm_eps
@@ -216,10 +215,21 @@ def test_fully_masked_sequence_documented_value():
     assert rel(ours["Y"], y) <= 1e-12
     want = run(reference_for(layer), x, g, mask=additive(pad))
     for name in want:
-        if name.startswith("in_proj"):
+        if name in ("in_proj_weight", "in_proj_bias", "out_proj_weight"):  # A = 0, so C = 0 and no gradient
+            assert torch.equal(ours[name], torch.zeros_like(ours[name]))
             assert torch.equal(want[name], torch.zeros_like(want[name]))
         else:
             assert rel(ours[name], want[name]) <= 1e-10, name
+
+
+def test_reference_gradients_for_fully_masked_rows():
+    layer = make_layer(TINY)
+    x = randn(2, 5, 16, seed=5).requires_grad_()
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1] = True
+    ref = reference_for(layer)
+    ref(x, additive(pad)).sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in ref.parameters())
 
 
 @pytest.mark.parametrize("value", [float("-inf"), -10000.0])
@@ -272,7 +282,7 @@ def test_huge_scores_and_activations(config):
 def test_layer_norm_large_mean_tiny_variance(config, forward_tol):
     """Rows with mean 1e4 and standard deviation 1e-2 (ratio 1e6). With the attention projections zeroed,
     R1 = X, so N1 = LN1(X). The exact value comes from float64 on X - 1e4 (an exact shift; layer norm is
-    shift invariant). A float32 one-pass or float32-accumulated layer norm is off by ~1e-2 here."""
+    shift invariant). PyTorch float32's F.layer_norm is off by 3e-2 here."""
     layer = make_layer(config)
     with torch.no_grad():
         for n in ("in_proj_weight", "out_proj_weight", "out_proj_bias"):
@@ -300,6 +310,25 @@ def test_layer_norm_large_mean_tiny_variance(config, forward_tol):
             assert e <= 1e-8, (name, e)
         else:  # backward reads the saved float32 mean: rounding it (~5e-4 at 1e4) shifts x - mean
             assert e <= 2 * rel(torch32[name], want[name]) + 1e-6, (name, e)
+
+
+@pytest.mark.xfail(strict=True, reason="substation/codegen.py _layer_norm stores the row mean in the layer's dtype "
+                                       "((T)mu_ into layer_norm{1,2}_mean); in float32 the backward "
+                                       "(_layer_norm_grad, _layer_norm_param_grad) recomputes x - mean with a mean "
+                                       "rounded by up to 5e-4 at 1e4, 5% of the row's std 1e-2, so dnorm1_weight is "
+                                       "off "
+                                       "by ~2e-2 and dX by ~8e-4 (PyTorch float32: 4e-2, 8e-3) although the forward is "
+                                       "exact to 1e-7")
+def test_layer_norm_large_mean_tiny_variance_float32_gradients_accurate():
+    layer = make_layer(ODD32)
+    with torch.no_grad():
+        for n in ("in_proj_weight", "out_proj_weight", "out_proj_bias"):
+            getattr(layer, n).zero_()
+    x = (1e4 + randn(2, 9, 312, seed=11, scale=1e-2)).float()
+    g = randn(2, 9, 312, seed=12)
+    ours, want = run(layer, x, g), run(reference_for(layer), x.double() - 1e4, g)
+    for name in ("dX", "norm1_weight"):
+        assert rel(ours[name], want[name]) <= 1e-4, (name, rel(ours[name], want[name]))
 
 
 # -- 5. gradients ------------------------------------------------------------------------------------
@@ -495,7 +524,7 @@ def test_identical_rows_and_heads_get_different_dropout_masks(dropout_layer):
     x = randn(1, 7, 16, seed=24).expand(2, 7, 16).contiguous()
     out = forward_tensors(layer, x, training=True, seed=123)
     kept = out["A_drop"] != 0
-    assert torch.equal(out["A"][0], out["A"][1])
+    assert (out["A"][0] - out["A"][1]).abs().max() < 1e-14
     assert not torch.equal(kept[0], kept[1])
     assert not torch.equal(kept[0, 0], kept[0, 1])  # heads too
     assert (out["Y"][0] - out["Y"][1]).abs().max() > 1e-3
@@ -620,8 +649,8 @@ def fresh_toolchain(monkeypatch, tmp_path):
 
 def fake_compiler(tmp_path, version_line="fakecxx 1.0"):
     exe = tmp_path / "fakecxx"
-    exe.write_text("#!/bin/sh\n" + (f'if [ "$1" = --version ]; then echo "{version_line}"; exit 0; fi\n'
-                                    if version_line else "") + 'echo "fakecxx: error: refusing to compile" >&2\nexit 1\n')
+    version = f'if [ "$1" = --version ]; then echo "{version_line}"; exit 0; fi\n' if version_line else ""
+    exe.write_text("#!/bin/sh\n" + version + 'echo "fakecxx: error: refusing to compile" >&2\nexit 1\n')
     exe.chmod(0o755)
     return str(exe)
 
@@ -667,9 +696,6 @@ def test_build_error_from_a_failing_compiler(fresh_toolchain, tmp_path, capsys):
     assert "substation: error: compiling" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="substation/build.py toolchain(): a $CXX whose --version prints nothing "
-                                       "raises IndexError (stdout.splitlines()[0]) instead of ToolchainError, so "
-                                       "the CLI shows a traceback instead of 'substation: error: ...'")
 def test_compiler_without_version_output_is_a_toolchain_error(fresh_toolchain, tmp_path):
     fresh_toolchain.setenv("CXX", fake_compiler(tmp_path, version_line=None))
     with pytest.raises(ToolchainError):
@@ -681,9 +707,18 @@ def test_cli_prints_error_and_exits_2_in_a_subprocess(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "substation", "compile", "tiny", "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.rstrip().splitlines()[-1] == ("substation: error: C++ compiler 'no-such-compiler-xyz' not "
-                                                      "found on PATH (set $CXX or install g++)")
-    assert "Traceback" not in proc.stderr
+    assert ("substation: error: C++ compiler 'no-such-compiler-xyz' not found on PATH (set $CXX or install g++)\n"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_cli_error_starts_its_own_line(fresh_toolchain, tmp_path, capsys):
+    import re
+    from substation.cli import main
+    fresh_toolchain.setenv("CXX", "no-such-compiler-xyz")
+    assert main(["compile", "tiny", "--out", str(tmp_path / "o")]) == 2
+    lines = re.split(r"[\r\n]", capsys.readouterr().err)
+    assert any(line.startswith("substation: error: C++ compiler") for line in lines), lines
 
 
 def test_cli_missing_config_file(tmp_path, capsys):
