@@ -216,11 +216,11 @@ class _Emitter:
         if op.kind == "contraction":
             self._emit_contraction(op, self.operands(op), op.attrs)
         elif op.kind == "fused":
-            _RowKernel(self, op.attrs["ops"]).emit()
+            _RowKernel(self, op.attrs["ops"], op.attrs.get("vector")).emit()
         else:
             record = {"name": op.label, "kind": op.kind, "attrs": op.attrs,
                       "inputs": self.graph.inputs_of(op), "outputs": self.graph.outputs_of(op)}
-            _RowKernel(self, [record]).emit()
+            _RowKernel(self, [record], op.attrs.get("vector")).emit()
         if timer is not None:
             self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
@@ -266,7 +266,7 @@ class _RowKernel:
     given thread count).
     """
 
-    def __init__(self, em: "_Emitter", members: list[dict]):
+    def __init__(self, em: "_Emitter", members: list[dict], vector: str | None = None):
         from .passes.fusion import COLUMN_REDUCTIONS, op_space
         self.em, self.graph, self.T = em, em.graph, em.T
         self.members = members
@@ -278,6 +278,8 @@ class _RowKernel:
         main_access = next(a for m in members for t, a in list(m["inputs"].values()) + list(m["outputs"].values())
                            if t == main)
         order = _order(_resolve(self.graph, main, main_access), sorted(full))
+        if vector in order and (inner is None or vector in inner):  # a layout plan's vectorized letter
+            order = [c for c in order if c != vector] + [vector]
         if inner is None:  # element-wise only: the trailing run of static letters (at least one)
             k = len(order) - 1
             while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
@@ -356,6 +358,8 @@ class _RowKernel:
         self.w("{")
         self.em.indent += 1
         self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
+        if any(self.row_random(m) for m in self.members):
+            self.w("std::vector<uint32_t> rnd_((size_t)nn_ + 8);")
         if self.buffers:
             self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
             for k, t in enumerate(self.buffers):
@@ -410,6 +414,9 @@ class _RowKernel:
     def _add(self, m, attrs):
         self._ew(m, " + ".join(f"v_{c}" for c in sorted(m["inputs"])))
 
+    def _transpose(self, m, attrs):  # a copy into another layout (inserted by the layout pass)
+        self._ew(m, "v_x")
+
     def _mask(self, m, attrs):
         expr = "v_x + v_m"
         if attrs.get("causal"):
@@ -420,16 +427,33 @@ class _RowKernel:
     def _dropout(self, m, attrs):
         p = attrs["p"]
         threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
-        index = ""
-        for c in attrs["rng_dims"]:
-            index = f"({index}) * {_size(c)} + i_{c}" if index else f"i_{c}"
+        dims = attrs["rng_dims"]
+
+        def index(inner_at_zero: bool) -> str:
+            res = ""
+            for c in dims:
+                i = "0" if inner_at_zero and c == dims[-1] else f"i_{c}"
+                res = f"({res}) * {_size(c)} + {i}" if res else i
+            return res
+        scale = f"({self.T}){1.0 / (1.0 - p)!r}"
         # Two loops rather than a test per element: eval mode copies.
         self.w("if (training) {")
-        self._ew(m, f"ss::dropout(v_x, seed, {attrs['stream']}u, (uint64_t)({index}), {threshold}u, "
-                    f"({self.T}){1.0 / (1.0 - p)!r})")
+        if self.row_random(m):
+            # The row's random index is contiguous: one Philox block per four elements.
+            self.w(f"const uint32_t* rw_ = ss::random_row(seed, {attrs['stream']}u, (uint64_t)({index(True)}), "
+                   f"nn_, rnd_.data());")
+            self._ew(m, f"ss::dropout(v_x, rw_[n_], {threshold}u, {scale})")
+        else:
+            self._ew(m, f"ss::dropout(v_x, ss::random_word(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
+                        f"{threshold}u, {scale})")
         self.w("} else {")
         self._ew(m, "v_x")
         self.w("}")
+
+    def row_random(self, m) -> bool:
+        """Whether dropout member ``m`` draws its random words per row (its random index runs
+        contiguously along the single inner letter)."""
+        return m["kind"] == "dropout" and len(self.N) == 1 and m["attrs"]["rng_dims"][-1] == self.N[0]
 
     def _activation(self, m, attrs):
         self._ew(m, f"ss::{attrs['function']}(v_x)")

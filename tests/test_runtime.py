@@ -153,3 +153,37 @@ def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):
     layer.float()
     with pytest.raises(TypeError, match="parameter in_proj_weight is torch.float32"):
         layer(x)
+
+
+def test_random_row_matches_random_word(tmp_path, monkeypatch):
+    """The per-row fast path of the dropout generator gives every element the same word as the
+    per-element path, for rows starting anywhere (both are used, depending on the layout)."""
+    import ctypes
+
+    from substation.build import build_library
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
+    src = """
+        #include "substation_cpu.h"
+        extern "C" int64_t mismatches(uint64_t seed, uint32_t stream) {
+          std::vector<uint32_t> scratch(300 + 8);
+          int64_t bad = 0;
+          for (uint64_t first = 0; first < 50; first += 7)
+            for (int64_t n = 1; n < 300; n += 37) {
+              const uint32_t* w = ss::random_row(seed, stream, first, n, scratch.data());
+              for (int64_t i = 0; i < n; ++i) bad += w[i] != ss::random_word(seed, stream, first + i);
+            }
+          return bad;
+        }
+        extern "C" double kept_fraction(uint64_t seed, uint32_t threshold) {
+          int64_t kept = 0;
+          for (uint64_t i = 0; i < 1000000; ++i) kept += ss::random_word(seed, 3, i) >= threshold;
+          return kept / 1e6;
+        }
+    """
+    lib = ctypes.CDLL(build_library(src, "rng").path)
+    lib.mismatches.restype = ctypes.c_int64
+    lib.kept_fraction.restype = ctypes.c_double
+    assert lib.mismatches(ctypes.c_uint64(2 ** 40 + 5), 2) == 0
+    for p in (0.1, 0.5):
+        frac = lib.kept_fraction(ctypes.c_uint64(99), ctypes.c_uint32(int(p * 2 ** 32)))
+        assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / 1e6)

@@ -10,16 +10,19 @@
 
 namespace ss {
 
-// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011):
-// a counter-based generator, so forward and backward regenerate the same dropout mask from
-// (seed, stream, element index) without storing it.
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
+// counter-based generator, so forward and backward regenerate the same dropout mask from
+// (seed, stream, element index) without storing it. Element e of a stream uses word e % 4 of the
+// block at counter e / 4, so one block serves four consecutive elements.
+struct Words { uint32_t w[4]; };
+
 static inline uint32_t mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
   const uint64_t p = (uint64_t)a * (uint64_t)b;
   *hi = (uint32_t)(p >> 32);
   return (uint32_t)p;
 }
 
-static inline uint32_t philox_first(uint64_t counter, uint32_t stream, uint64_t seed) {
+static inline Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
   uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = stream, c3 = 0;
   uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
 #pragma GCC unroll 10
@@ -31,14 +34,36 @@ static inline uint32_t philox_first(uint64_t counter, uint32_t stream, uint64_t 
     c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
     k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
   }
-  return c0;
+  return Words{{c0, c1, c2, c3}};
 }
 
-// Inverted dropout of element `index` of stream `stream`: x / (1 - p) when kept, else 0, with
+// The random word of element `index` (any access pattern).
+static inline uint32_t random_word(uint64_t seed, uint32_t stream, uint64_t index) {
+  const Words b = philox(index >> 2, stream, seed);
+  const uint32_t j = (uint32_t)(index & 3);
+  return j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+}
+
+// The words of elements first .. first + n - 1 (a row whose random index is contiguous), one block
+// per four elements. `scratch` holds n + 8 words; returns where element `first` lies in it.
+static inline const uint32_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
+                                         uint32_t* __restrict__ scratch) {
+  const uint64_t g0 = first >> 2;
+  const int64_t groups = (int64_t)(((first & 3) + (uint64_t)n + 3) >> 2);
+#pragma omp simd
+  for (int64_t g = 0; g < groups; ++g) {
+    const Words b = philox(g0 + (uint64_t)g, stream, seed);
+    scratch[4 * g] = b.w[0]; scratch[4 * g + 1] = b.w[1];
+    scratch[4 * g + 2] = b.w[2]; scratch[4 * g + 3] = b.w[3];
+  }
+  return scratch + (first & 3);
+}
+
+// Inverted dropout given an element's random word: x / (1 - p) when kept, else 0, with
 // P(keep) = 1 - threshold / 2^32. Branch-free so that loops over it vectorize.
 template <typename T>
-static inline T dropout(T x, uint64_t seed, uint32_t stream, uint64_t index, uint32_t threshold, T scale) {
-  return philox_first(index, stream, seed) >= threshold ? x * scale : T(0);
+static inline T dropout(T x, uint32_t word, uint32_t threshold, T scale) {
+  return word >= threshold ? x * scale : T(0);
 }
 
 // Elementary functions. float: branch-free approximations that GCC vectorizes inside
