@@ -14,11 +14,14 @@ if ! command -v "${CXX:-g++}" >/dev/null; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 STAMP=.venv/.substation-installed
-WANT="$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat setup.cfg pyproject.toml; command -v nvcc || true) | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   # The CPU build of torch first, pinned: an open range would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet -e ".[test]"
+  EXTRAS=test
+  # With nvcc on the machine, also cuBLAS (PyPI) so CUDA builds compile and link (target: cuda).
+  if command -v nvcc >/dev/null; then EXTRAS=test,cuda; fi
+  .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
   echo "$WANT" > "$STAMP"
 fi

@@ -73,6 +73,7 @@ ELEMENTWISE_FLOP: dict[str, tuple[int, int]] = {
                                       # per row: two means
     "layer_norm_param_grad": (5, 0),  # xhat (2), dy*xhat, sum (dgamma); sum (dbeta)
     "bias_grad": (1, 0),              # sum over the broadcast dimensions
+    "transpose": (0, 0),              # a copy into another layout (inserted by the layout pass)
 }
 
 #: Ivanov et al. 2020, Table 1 ("Proportions for operator classes in PyTorch"; BERT-large encoder
@@ -84,8 +85,6 @@ PAPER_CLASS_SHARES = {
 }
 #: The paper's data-movement reduction from fusion ("up to 22.91%").
 PAPER_MAX_REDUCTION_PCT = 22.91
-
-_ITEMSIZE = {"float32": 4, "float64": 8}
 
 
 # -- counting ------------------------------------------------------------------------------------
@@ -258,12 +257,10 @@ def operator_count(graph: LayerGraph, op: Operator, sizes: Mapping[str, int] | N
         sizes: letter -> size for the values (default ``graph.config.sizes()``).
 
     Raises:
-        ValueError: a kind without a flop rule; a dtype without a known itemsize.
+        ValueError: a kind without a flop rule.
     """
     cfg = graph.config
-    if cfg.dtype not in _ITEMSIZE:
-        raise ValueError(f"no itemsize known for dtype {cfg.dtype!r}")
-    item = _ITEMSIZE[cfg.dtype]
+    item = cfg.itemsize
     sizes = dict(sizes or cfg.sizes())
     ins, outs = graph.inputs_of(op), graph.outputs_of(op)
     attrs = op.attrs
@@ -424,7 +421,7 @@ class Analysis:
             ops.append(row)
         data = {
             "config": self.config.to_dict(), "sizes": {k: v for k, v in self.sizes.items() if k != "T"},
-            "dtype": self.config.dtype, "itemsize": _ITEMSIZE[self.config.dtype], "optimized": self.optimized,
+            "dtype": self.config.dtype, "itemsize": self.config.itemsize, "optimized": self.optimized,
             "operators": ops, "totals": self.totals(), "kernels": self.kernels(), "shares": self.shares(),
             "contraction_flop": self.contraction_flop(),
             "paper": {"class_shares": PAPER_CLASS_SHARES, "max_data_movement_reduction_pct": PAPER_MAX_REDUCTION_PCT,
@@ -612,7 +609,7 @@ def format_report(analysis: Analysis) -> str:
     bw = m.copy_bandwidth if m else None
     c = a.config
     lines = [f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
-             f"U={c.ffn_size} {c.dtype} ({_ITEMSIZE[c.dtype]} bytes) {c.layer_norm}-LN {c.activation}"
+             f"U={c.ffn_size} {c.dtype} ({c.itemsize} bytes) {c.layer_norm}-LN {c.activation}"
              + ("  [optimized graphs]" if a.optimized else "  [unfused graphs]")]
     width = max([len("operator")] + [len(o.name) for o in a.operators])
     head = f"{'operator':<{width}} {'pass':<8} {'class':<5} {'GFLOP':>9} {'MB read':>9} {'MB writ.':>9} {'flop/B':>8}"

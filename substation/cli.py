@@ -37,6 +37,87 @@ def publish_dir(build, out: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
+    """``compile --target cuda``: write graphs, sources, libraries and a report; with a GPU present also
+    check the layer against PyTorch (float32, eval, padding mask) and time forward+backward against
+    PyTorch eager in the layer's dtype (CUDA events); without one only the build is reported."""
+    import torch
+
+    from .reference import ReferenceEncoderLayer
+    from .runtime import EncoderLayer
+
+    fwd, bwd = compiled.forward.graph, compiled.backward.graph
+    report = {"config": config.to_dict(), "sizes": config.sizes(),
+              "operators": {"forward": len(fwd.operators()), "backward": len(bwd.operators())},
+              "build_seconds": compiled.build_seconds, "pipeline_seconds": total}
+    c, b, j = config, config.batch_size, config.max_seq_len
+    tol = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}[config.dtype]
+    err = None
+    if torch.cuda.is_available():
+        layer = EncoderLayer(compiled)
+        ref = ReferenceEncoderLayer(config, torch.float32).cuda()
+        ref.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+        torch.manual_seed(0)
+        x = torch.randn(b, j, config.hidden_size, device="cuda")
+        mask = None
+        if config.mask != "none":
+            mask = torch.zeros(b, j, device="cuda")
+            mask[b // 2:, j * 3 // 4:] = float("-inf")
+        xs, ms = x.to(layer.torch_dtype), None if mask is None else mask.to(layer.torch_dtype)
+        layer.eval(), ref.eval()
+        with torch.no_grad():
+            y, y_ref = layer(xs, ms).float(), ref(x, mask)
+        err = float((y - y_ref).abs().max() / y_ref.abs().max())
+        eager = ReferenceEncoderLayer(config, layer.torch_dtype).cuda()
+        eager.load_state_dict(layer.state_dict())
+        layer.train(), eager.train()
+        times = {"substation": [], "pytorch_eager": []}
+        for r in range(args.repeats + 1):  # interleaved, the first round is a warm-up
+            for name, mod in (("substation", layer), ("pytorch_eager", eager)):
+                xg = xs.detach().requires_grad_()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                mod(xg, ms).backward(torch.ones_like(xs))
+                stop.record()
+                torch.cuda.synchronize()
+                if r:
+                    times[name].append(start.elapsed_time(stop) / 1e3)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        report.update({"max_rel_error_vs_pytorch": err, "forward_backward_seconds_median": med,
+                       "speedup_vs_eager": med["pytorch_eager"] / med["substation"], "repeats": args.repeats,
+                       "device": torch.cuda.get_device_name()})
+    else:
+        report["check"] = "skipped: no CUDA device on this machine (the libraries were built and link)"
+
+    def write(tmp):
+        fwd.save(os.path.join(tmp, "forward.sdfg"))
+        bwd.save(os.path.join(tmp, "backward.sdfg"))
+        for phase, src in compiled.sources.items():
+            with open(os.path.join(tmp, f"{phase}.cu"), "w") as f:
+                f.write(src)
+        shutil.copy(compiled.forward.path, os.path.join(tmp, "forward.so"))
+        shutil.copy(compiled.backward.path, os.path.join(tmp, "backward.so"))
+        with open(os.path.join(tmp, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+    publish_dir(write, out)
+    print(f"{c.name}: B={b} J=K={j} I={c.hidden_size} H={c.num_heads} P={c.head_size} U={c.ffn_size} "
+          f"{c.activation} {c.layer_norm}-LN {c.dtype} mask={c.mask} target=cuda ({c.cuda_arch})")
+    print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")
+                                for k, v in compiled.build_seconds.items()) + f"; pipeline {total:.1f} s")
+    if err is None:
+        print("check and benchmark skipped: no CUDA device on this machine")
+    else:
+        med = report["forward_backward_seconds_median"]
+        print(f"check vs PyTorch float32 (eval, padding mask): max relative error {err:.2e}")
+        print(f"forward+backward median of {args.repeats}: substation {med['substation'] * 1e3:.2f} ms, "
+              f"PyTorch eager {med['pytorch_eager'] * 1e3:.2f} ms, speedup {report['speedup_vs_eager']:.2f}x")
+    print(f"wrote {out}/: forward.sdfg backward.sdfg forward.cu backward.cu forward.so backward.so report.json")
+    if err is not None and err > tol:
+        print(f"error: compiled layer disagrees with PyTorch (relative error {err:.2e} > {tol:.0e})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_compile(args) -> int:
     import torch
     from tqdm import tqdm
@@ -48,6 +129,8 @@ def cmd_compile(args) -> int:
     from .runtime import EncoderLayer
 
     config = load_config(args.config)
+    if args.target or args.cuda_arch:
+        config = config.replace(**{k: v for k, v in (("target", args.target), ("cuda_arch", args.cuda_arch)) if v})
     out = args.out or os.path.join("out", config.name)
     names = [name for name, _ in STAGES]
     bar = tqdm(total=len(STAGES), desc=f"compile {config.name}", unit="stage", file=sys.stderr)
@@ -62,6 +145,8 @@ def cmd_compile(args) -> int:
     finally:
         bar.close()
     total = time.perf_counter() - t0
+    if config.target == "cuda":
+        return _compile_cuda_finish(args, config, compiled, out, total)
     layer = EncoderLayer(compiled)
     ref = ReferenceEncoderLayer(config, layer.torch_dtype)
     ref.load_state_dict(layer.state_dict())
@@ -249,7 +334,8 @@ def cmd_compare_layouts(args) -> int:
                         progress=lambda s: print(s, file=sys.stderr))
     print(f"{config.name} B={config.batch_size} L={config.max_seq_len} {config.dtype}, plan {plan}: "
           f"forward+backward median of {r['repeats']} interleaved rounds: default {r['default_seconds'] * 1e3:.1f} ms, "
-          f"tuned {r['tuned_seconds'] * 1e3:.1f} ms (outputs agree to {r['max_rel_diff']:.1e})")
+          f"tuned {r['tuned_seconds'] * 1e3:.1f} ms, tuned faster in {r['tuned_wins']} of {r['repeats']} rounds "
+          f"(outputs agree to {r['max_rel_diff']:.1e})")
     print(f"layout_speedup {r['layout_speedup']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
@@ -268,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fuse", action="store_true", help="skip the fusion pass (one kernel per operator)")
     p.add_argument("--layout", metavar="PLAN|default",
                    help="apply a layout plan (JSON path or bundled name); default keeps PyTorch's layouts")
+    p.add_argument("--target", choices=("cpu", "cuda"),
+                   help="code-generation target (default: the config's); cuda needs nvcc >= 12 and cuBLAS")
+    p.add_argument("--cuda-arch", metavar="SM", help="GPU architecture of a CUDA build (default sm_90: H100/H200)")
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("tune", help="measure layout candidates on this machine; write a layout plan")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")

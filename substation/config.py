@@ -19,8 +19,10 @@ __all__ = ["ConfigError", "DropoutConfig", "EncoderConfig", "load_config"]
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 LAYER_NORM_PLACEMENTS = ("post", "pre")
 DTYPES = ("float32", "float64")
+#: dtypes of target ``cuda`` (half precision computes in float32; see docs/cuda.md).
+CUDA_DTYPES = ("float32", "float64", "float16", "bfloat16")
 MASKS = ("none", "padding", "causal")
-TARGETS = ("cpu",)
+TARGETS = ("cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -105,10 +107,13 @@ class EncoderConfig:
         layer_norm: ``post`` (BERT: residual then layer norm) or ``pre`` (layer norm on each branch input).
         dropout: the three dropout probabilities.
         layer_norm_eps: epsilon added to the variance, > 0.
-        dtype: ``float32`` or ``float64``; parameters, activations and gradients all use it.
+        dtype: ``float32`` or ``float64``; with target ``cuda`` also ``float16`` or ``bfloat16``.
+            Parameters, activations and gradients all use it (CUDA layer-norm statistics excepted).
         mask: ``none`` (no mask input), ``padding`` (additive or boolean key mask [B, K]) or
             ``causal`` (key k > query j masked, plus an optional padding mask).
-        target: code-generation target, ``cpu``.
+        target: code-generation target, ``cpu`` or ``cuda`` (NVIDIA GPUs, see docs/cuda.md).
+        cuda_arch: GPU architecture of CUDA builds, ``sm_<digits>[letter]`` (default ``sm_90``:
+            H100/H200).
         name: a label used in reports and file names.
 
     Raises:
@@ -127,6 +132,7 @@ class EncoderConfig:
     dtype: str = "float32"
     mask: str = "padding"
     target: str = "cpu"
+    cuda_arch: str = "sm_90"
     name: str = "encoder"
 
     def __post_init__(self) -> None:
@@ -138,9 +144,15 @@ class EncoderConfig:
             )
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("layer_norm", self.layer_norm, LAYER_NORM_PLACEMENTS)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("mask", self.mask, MASKS)
         _choice("target", self.target, TARGETS)
+        allowed = CUDA_DTYPES if self.target == "cuda" else DTYPES
+        if not isinstance(self.dtype, str) or self.dtype not in allowed:
+            hint = " (float16 and bfloat16 need target: cuda)" if self.dtype in CUDA_DTYPES else ""
+            raise ConfigError(f"dtype: must be one of {', '.join(allowed)} for target {self.target}{hint}; "
+                              f"got {self.dtype!r}")
+        _choice("mask", self.mask, MASKS)
+        if not isinstance(self.cuda_arch, str) or not re.fullmatch(r"sm_\d{2,3}[a-z]?", self.cuda_arch):
+            raise ConfigError(f"cuda_arch: must look like sm_90 or sm_90a; got {self.cuda_arch!r}")
         if not isinstance(self.dropout, DropoutConfig):
             raise ConfigError(f"dropout: must be a DropoutConfig, got {type(self.dropout).__name__}")
         eps = self.layer_norm_eps
@@ -149,6 +161,11 @@ class EncoderConfig:
         object.__setattr__(self, "layer_norm_eps", float(eps))
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError(f"name: must be a non-empty string of letters, digits, '_', '.', '-'; got {self.name!r}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
 
     @property
     def head_size(self) -> int:

@@ -18,18 +18,23 @@ STAGES = (
     ("graph", "build the forward SDFG from the config"),
     ("autodiff", "derive the backward SDFG; mark what forward saves"),
     ("fusion", "group element-wise and normalization operators into row kernels"),
+    ("layout", "apply a layout plan: tensor strides, explicit transposes, vectorized letters"),
     ("codegen", "generate C++ for each graph"),
     ("build", "compile and link against BLAS, through the build cache"),
     ("load", "load the libraries behind torch.autograd"),
 )
 
 
-def compile_graphs(config: EncoderConfig, fuse_ops: bool = False):
-    """Stages ``graph``, ``autodiff`` and (with ``fuse_ops``) ``fusion``: the (forward, backward)
-    :class:`~substation.graph.LayerGraph` pair."""
+def compile_graphs(config: EncoderConfig, fuse_ops: bool = False, layout=None):
+    """Stages ``graph``, ``autodiff``, (with ``fuse_ops``) ``fusion`` and (with ``layout``, a plan path,
+    name or :class:`~substation.passes.layout.LayoutPlan`; None/"default" keeps PyTorch's layouts)
+    ``layout``: the (forward, backward) :class:`~substation.graph.LayerGraph` pair."""
     fwd, bwd = build_backward(build_forward(config))
     if fuse_ops:
         fwd, bwd = fuse_pass(fwd), fuse_pass(bwd)
+    if layout is not None:
+        from .passes.layout import apply_plan
+        fwd, bwd = apply_plan(fwd, bwd, layout)
     return fwd, bwd
 
 
@@ -39,16 +44,20 @@ def optimize_graphs(config: EncoderConfig):
 
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
-                  fuse: bool = True) -> CompiledLayer:
+                  fuse: bool = True, layout=None) -> CompiledLayer:
     """Run every stage for ``config`` (a config, a YAML path or a bundled config name).
 
     ``progress``, if given, is called with each stage name as it starts. ``instrument`` adds
     per-operator timers (:meth:`~substation.runtime.CompiledGraph.op_seconds`); ``fuse=False`` skips
-    the fusion stage (one kernel per operator).
+    the fusion stage (one kernel per operator). ``layout`` is a layout plan (path, bundled name or
+    :class:`~substation.passes.layout.LayoutPlan`) applied after fusion; None or ``"default"`` keeps
+    PyTorch's layouts (PlanError: a plan that does not fit the graphs).
 
     Raises:
         ConfigError, FileNotFoundError: a bad config.
-        LayoutError: layouts that need a transpose. ToolchainError, BuildError: the compiler failed.
+        LayoutError: layouts that need a transpose. ToolchainError, BuildError: the compiler failed
+            (target ``cuda``: nvcc of CUDA >= 12 or cuBLAS missing, see docs/cuda.md).
+        ValueError: ``instrument`` with target ``cuda``.
     """
     config = load_config(config)
     step = progress or (lambda name: None)
@@ -59,10 +68,23 @@ def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, in
     step("fusion")
     if fuse:
         fwd, bwd = fuse_pass(fwd), fuse_pass(bwd)
+    step("layout")
+    if layout is not None:
+        from .passes.layout import apply_plan
+        fwd, bwd = apply_plan(fwd, bwd, layout)
     step("codegen")
-    sources = {"forward": generate_cpu(fwd, instrument), "backward": generate_cpu(bwd, instrument)}
-    step("build")
-    built = build_libraries(sources)
+    if config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
+        from .build_cuda import build_cuda_libraries
+        from .codegen_cuda import generate_cuda
+        if instrument:
+            raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
+        sources = {"forward": generate_cuda(fwd), "backward": generate_cuda(bwd)}
+        step("build")
+        built = build_cuda_libraries(sources, config.cuda_arch)
+    else:
+        sources = {"forward": generate_cpu(fwd, instrument), "backward": generate_cpu(bwd, instrument)}
+        step("build")
+        built = build_libraries(sources)
     step("load")
     return CompiledLayer(config, CompiledGraph(fwd, built["forward"].path), CompiledGraph(bwd, built["backward"].path),
                          {k: v.seconds for k, v in built.items()}, sources)

@@ -16,6 +16,8 @@ from .reference import init_parameters
 __all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "normalize_mask", "TORCH_DTYPES"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: Every config dtype, including target cuda's half precisions (TORCH_DTYPES: the CPU's).
+ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class CompiledGraph:
@@ -34,14 +36,27 @@ class CompiledGraph:
         sig = self.lib.substation_signature().decode()
         if sig != ",".join(t.name for t in self.args):
             raise RuntimeError(f"library {path} does not match the {graph.phase} graph (signature {sig!r})")
+        target = getattr(self.lib, "substation_target", None)
+        if target is not None:
+            target.restype = ctypes.c_char_p
+        #: ``cpu``, ``cuda`` (codegen_cuda) or ``cuda-emulated`` (CUDA code built to run on the CPU, for tests).
+        self.target = target().decode() if target is not None else "cpu"
+        #: Device type of the tensors the library reads and writes.
+        self.device_type = "cuda" if self.target == "cuda" else "cpu"
+        self._stream_arg = () if self.target == "cpu" else (None,)
         self._run = self.lib.substation_run
         self._run.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p,
-                              ctypes.c_uint64, ctypes.c_int32]
+                              ctypes.c_uint64, ctypes.c_int32] + ([ctypes.c_void_p] if self._stream_arg else [])
         self._run.restype = ctypes.c_int
         self._ws = self.lib.substation_workspace_bytes
         self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         self._ws.restype = ctypes.c_int64
-        self.dtype = TORCH_DTYPES[graph.config.dtype]
+        self.dtype = ALL_TORCH_DTYPES[graph.config.dtype]
+        #: dtype of each argument tensor (CUDA builds keep layer-norm statistics in float32).
+        self.dtypes = {t.name: self.dtype for t in self.args}
+        if self.target != "cpu":
+            from .codegen_cuda import tensor_dtypes
+            self.dtypes.update({n: ALL_TORCH_DTYPES[d] for n, d in tensor_dtypes(graph).items() if n in self.dtypes})
         # Temporaries live only during a call: one workspace is reused (fresh pages would fault
         # on every call); a concurrent call from another thread gets its own.
         self._workspace = torch.empty(0, dtype=torch.uint8)
@@ -73,26 +88,48 @@ class CompiledGraph:
     def __call__(self, given: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
                  training: bool = False) -> dict[str, torch.Tensor]:
         """Run the graph. ``given`` maps every input, parameter and (backward) saved tensor name to a
-        contiguous tensor of the graph's dtype; returns the tensors the graph writes (outputs and
-        forward-saved tensors), freshly allocated."""
+        contiguous tensor of the graph's dtype (:attr:`dtypes`) on :attr:`device_type` (CUDA: all on
+        one device); returns the tensors the graph writes (outputs and forward-saved tensors), freshly
+        allocated. A CUDA library queues its work on PyTorch's current stream of that device.
+
+        Raises:
+            ValueError: CUDA tensors on different devices. RuntimeError: the library failed."""
         sizes = self.graph.config.sizes(batch, seq)
-        produced = {t.name: torch.empty(t.shape(sizes), dtype=self.dtype) for t in self.produced}
+        device = torch.device("cpu")
+        if self.device_type == "cuda":
+            device = next(iter(given.values())).device
+            bad = sorted(n for n, v in given.items() if v.device != device)
+            if bad:
+                raise ValueError(f"tensors {', '.join(bad)} are not on {device}")
+        produced = {t.name: torch.empty(t.shape(sizes), dtype=self.dtypes[t.name], device=device)
+                    for t in self.produced}
         tensors = {**given, **produced}
         ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
         need = self._ws(dims)
-        if self._workspace_lock.acquire(blocking=False):
+        if self.device_type == "cuda":
+            # A fresh workspace from PyTorch's caching allocator: stream-ordered, safe across streams.
+            with torch.cuda.device(device):
+                ws = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+                stream = torch.cuda.current_stream(device).cuda_stream
+                rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), stream)
+        elif self._workspace_lock.acquire(blocking=False):
             try:
                 if self._workspace.numel() < need:
                     self._workspace = torch.empty(need, dtype=torch.uint8)
-                rc = self._run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training))
+                rc = self._run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training),
+                               *self._stream_arg)
             finally:
                 self._workspace_lock.release()
         else:
             ws = torch.empty(need, dtype=torch.uint8)
-            rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training))
+            rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), *self._stream_arg)
         if rc != 0:
-            raise RuntimeError(f"{self.graph.phase} library returned error code {rc}")
+            detail = ""
+            if hasattr(self.lib, "substation_last_error"):
+                self.lib.substation_last_error.restype = ctypes.c_char_p
+                detail = ": " + self.lib.substation_last_error().decode(errors="replace")
+            raise RuntimeError(f"{self.graph.phase} library returned error code {rc}{detail}")
         return produced
 
 
@@ -120,13 +157,14 @@ class CompiledLayer:
 
 
 def normalize_mask(attention_mask, key_padding_mask, batch: int, seq: int, dtype: torch.dtype,
-                   config: EncoderConfig) -> torch.Tensor | None:
+                   config: EncoderConfig, device: "torch.device | str | None" = None) -> torch.Tensor | None:
     """Turn a user mask into the additive key mask ``[B, K]`` of ``dtype`` the compiled code reads.
 
     ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, the extended
     ``[B, 1, 1, K]`` or a ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys
     to attend with True/1. ``key_padding_mask`` follows PyTorch: bool ``[B, K]``, True marks padding.
-    Boolean masks become 0 / -inf.
+    Boolean masks become 0 / -inf. The mask must be on ``device``'s type (default the CPU; a CUDA
+    layer passes its input's device) and the result is on ``device``.
 
     Raises:
         ValueError: wrong shape, a mask given to a layer compiled with ``mask: none``, both masks
@@ -146,8 +184,11 @@ def normalize_mask(attention_mask, key_padding_mask, batch: int, seq: int, dtype
         m, keep = key_padding_mask, False
     else:
         m, keep = attention_mask, True
-    if m.device.type != "cpu":
-        raise ValueError(f"the mask must be on the CPU, got device {m.device}")
+    want = torch.device("cpu" if device is None else device)
+    if m.device.type != want.type:
+        raise ValueError(f"the mask must be on the {'CPU' if want.type == 'cpu' else want.type.upper()}, "
+                         f"got device {m.device}")
+    m = m.to(want)
     if m.dim() == 4:
         if m.shape[1] != 1 or m.shape[2] not in (1, seq):
             raise ValueError(f"a 4-D attention_mask must be [B, 1, 1, K] or [B, 1, J, K]; got {tuple(m.shape)}")
@@ -162,8 +203,20 @@ def normalize_mask(attention_mask, key_padding_mask, batch: int, seq: int, dtype
         if m.dtype not in (torch.bool, torch.int64, torch.int32, torch.int8, torch.uint8):
             raise TypeError(f"unsupported mask dtype {m.dtype}")
         attend = m.bool() if keep else ~m.bool()
-        return torch.zeros(batch, seq, dtype=dtype).masked_fill_(~attend, float("-inf"))
+        return torch.zeros(batch, seq, dtype=dtype, device=m.device).masked_fill_(~attend, float("-inf"))
     return m.to(dtype).contiguous()
+
+
+def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a layer of ``dtype`` casts float32 inputs and parameters to its dtype: autocast is
+    enabled for ``device_type`` and the layer is float16 or bfloat16 (it always computes in its
+    compiled dtype; a float32 or float64 layer ignores autocast)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4: no device argument
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
 
 
 class _EncoderFunction(torch.autograd.Function):
@@ -173,7 +226,7 @@ class _EncoderFunction(torch.autograd.Function):
         b, j, _ = x.shape
         given = {"X": x, **dict(zip(layer.parameter_names, params))}
         if compiled.config.mask != "none":
-            given["mask"] = mask if mask is not None else torch.zeros(b, j, dtype=x.dtype)
+            given["mask"] = mask if mask is not None else torch.zeros(b, j, dtype=x.dtype, device=x.device)
         out = compiled.forward(given, b, j, seed, training)
         saved_env = {**given, **out}
         names = compiled.saved_names
@@ -211,8 +264,10 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.compiled = compiled
         self.config = compiled.config
-        self.torch_dtype = TORCH_DTYPES[self.config.dtype]
+        self.torch_dtype = ALL_TORCH_DTYPES[self.config.dtype]
         init_parameters(self, self.config, self.torch_dtype)
+        if compiled.forward.device_type == "cuda" and torch.cuda.is_available():
+            self.to("cuda")  # CUDA layers keep their parameters on the (current) GPU
 
     @classmethod
     def from_hf(cls, bert_layer, **config_overrides) -> "EncoderLayer":
@@ -238,7 +293,10 @@ class EncoderLayer(nn.Module):
         """Run the layer.
 
         Args:
-            hidden_states: [B, J, I], the config's dtype, on the CPU (a non-contiguous tensor is copied).
+            hidden_states: [B, J, I], the config's dtype, on the CPU (target ``cuda``: on the GPU holding
+                the parameters); a non-contiguous tensor is copied. Under ``torch.autocast`` for the
+                input's device type, a float16/bfloat16 layer also takes float32 input and float32
+                parameters, cast to its dtype (differentiably: gradients reach float32 parameters).
             attention_mask: Hugging Face convention, see :func:`normalize_mask`.
             key_padding_mask: PyTorch convention, bool [B, K], True = padding.
 
@@ -247,9 +305,10 @@ class EncoderLayer(nn.Module):
             probabilities (their attention output is the output bias alone).
 
         Raises:
-            TypeError: not a tensor, or the wrong dtype (input or parameters).
-            ValueError: wrong rank or hidden size, a non-CPU device, an empty batch or sequence, or a
-                bad mask.
+            TypeError: not a tensor, or the wrong dtype (input or parameters), or parameters on
+                another device.
+            ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch
+                or sequence, or a bad mask.
         """
         x = hidden_states
         if not isinstance(x, torch.Tensor):
@@ -257,19 +316,28 @@ class EncoderLayer(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden_states must have shape [B, J, I] with I = {self.config.hidden_size}; "
                              f"got {tuple(x.shape)}")
-        if x.device.type != "cpu":
-            raise ValueError(f"this layer was compiled for the CPU; hidden_states is on {x.device}")
+        device_type = self.compiled.forward.device_type
+        where = "the CPU" if device_type == "cpu" else "CUDA"
+        if x.device.type != device_type:
+            raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}"
+                             + ("" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"))
+        cast = _autocast_casts(x.device.type, self.torch_dtype)
         if x.dtype != self.torch_dtype:
-            raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {self.torch_dtype}")
+            if not (cast and x.dtype == torch.float32):
+                raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {self.torch_dtype}")
+            x = x.to(self.torch_dtype)
         if x.shape[0] == 0 or x.shape[1] == 0:
             raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
         params = [getattr(self, n) for n in self.parameter_names]
+        if cast:
+            params = [p.to(self.torch_dtype) if p.dtype == torch.float32 else p for p in params]
         for n, p in zip(self.parameter_names, params):
-            if p.dtype != self.torch_dtype or p.device.type != "cpu":
+            if p.dtype != self.torch_dtype or p.device.type != device_type or (device_type != "cpu" and p.device != x.device):
                 raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
-                                f"{self.torch_dtype} on the CPU")
+                                f"{self.torch_dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
         b, j, _ = x.shape
-        mask = normalize_mask(attention_mask, key_padding_mask, b, j, self.torch_dtype, self.config)
+        mask = normalize_mask(attention_mask, key_padding_mask, b, j, self.torch_dtype, self.config,
+                              None if device_type == "cpu" else x.device)
         training = self.training and any(v > 0 for v in dataclasses.astuple(self.config.dropout))
         seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if training else 0
         return _EncoderFunction.apply(self, x.contiguous(), mask, seed, training,

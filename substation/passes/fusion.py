@@ -206,7 +206,7 @@ def fuse(graph: LayerGraph, options: FusionOptions = FusionOptions(), protected:
     ops = _records(graph)
     keep = {n for n, t in graph.tensors.items() if t.role != "temp"} | set(protected or ())
     xf = FuseOperators(ops, keep, options)
-    itemsize = 4 if graph.config.dtype == "float32" else 8
+    itemsize = graph.config.itemsize
     sizes = graph.config.sizes()
 
     def nbytes(access):

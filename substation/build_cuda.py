@@ -1,0 +1,325 @@
+"""Compiling generated CUDA into shared libraries with nvcc, through the build cache of
+:mod:`substation.build` (same atomic publication: an entry is assembled in a private folder and
+published with one rename; a failed build leaves nothing behind).
+
+Toolchain (found by :func:`cuda_toolchain`):
+
+* ``nvcc`` of CUDA 12 or newer: ``$SUBSTATION_NVCC``, else ``nvcc`` on ``PATH``, else
+  ``$CUDA_HOME/bin/nvcc`` or ``/usr/local/cuda/bin/nvcc``. Its include and library folders are read
+  from ``nvcc -dryrun``, so wrapper scripts and pip-installed toolkits work.
+* cuBLAS headers (``cublas_v2.h``) and library (``libcublas.so.<major>``): ``$SUBSTATION_CUBLAS_ROOT``
+  (a folder with ``include/`` and ``lib/`` or ``lib64/``), else the toolkit's own folders, else the
+  PyPI wheels in ``sys.path`` (``nvidia-cublas`` for CUDA 13: ``nvidia/cu13/{include,lib}``;
+  ``nvidia-cublas-cu12``: ``nvidia/cublas/{include,lib}``). A cuBLAS of nvcc's major version is
+  preferred. The wheels ship only versioned libraries (``libcublas.so.13``): the link names that file
+  directly (``-Xlinker <path>``), so no unversioned link is needed, and an rpath records its folder.
+  At run time a process that already loaded PyTorch's cuBLAS of the same major version shares it.
+
+Flags: ``nvcc -O3 -std=c++17 -gencode arch=compute_NN,code=[sm_NN,compute_NN] -Xcompiler -fPIC
+-shared -cudart shared`` for the config's ``cuda_arch`` (default ``sm_90``: H100/H200), plus the
+cuBLAS library. ``emulate=True`` compiles the same source with the host C++ compiler and
+``-DSS_EMULATE`` instead (see ``csrc/substation_cuda.cuh``): a sequential CPU emulation for tests on
+machines without a GPU; it needs only the toolkit's headers (``cuda_fp16.h``), not cuBLAS.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .build import BuildError, BuildResult, ToolchainError, _discard, _sha256, _valid, cache_dir
+
+__all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
+           "emulation_toolchain", "arch_number"]
+
+_HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "substation_cuda.cuh")
+_HEADER_DIR = os.path.dirname(_HEADER)
+_ARCH_RE = re.compile(r"^sm_(\d{2,3})([a-z]?)$")
+#: Toolkit folders searched for bin/nvcc after PATH, $CUDA_HOME and $CUDA_PATH.
+DEFAULT_CUDA_ROOTS = ("/usr/local/cuda",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaToolchain:
+    """nvcc and cuBLAS as found on this machine.
+
+    Attributes:
+        nvcc: the nvcc executable.
+        nvcc_version: e.g. ``13.0.88``; cuda_major: its major version (>= 12).
+        include_dirs: the toolkit's include folders (``cuda_runtime.h``, ``cuda_fp16.h``).
+        lib_dirs: the toolkit's library folders (``libcudart.so``).
+        cublas_include: folder holding ``cublas_v2.h``; cublas_lib: path of ``libcublas.so.<major>``.
+        cublas_version: from ``cublas_api.h`` (``major.minor.patch``).
+    """
+
+    nvcc: str
+    nvcc_version: str
+    cuda_major: int
+    include_dirs: tuple[str, ...]
+    lib_dirs: tuple[str, ...]
+    cublas_include: str | None
+    cublas_lib: str | None
+    cublas_version: str | None
+
+    def require_cublas(self) -> None:
+        """Raises:
+            ToolchainError: no cuBLAS headers or library were found."""
+        if self.cublas_lib is None or self.cublas_include is None:
+            raise ToolchainError(
+                "cuBLAS not found: no cublas_v2.h and libcublas.so.* in $SUBSTATION_CUBLAS_ROOT, in the CUDA "
+                f"toolkit of {self.nvcc}, or in the PyPI wheels on sys.path; install it with "
+                f"'pip install \"nvidia-cublas{'' if self.cuda_major >= 13 else '-cu12'}\"' "
+                "(or 'pip install substation[cuda]')")
+
+
+def _find_nvcc() -> str:
+    env = os.environ.get("SUBSTATION_NVCC")
+    if env:
+        exe = shutil.which(env)
+        if exe is None:
+            raise ToolchainError(f"$SUBSTATION_NVCC={env!r} is not an executable")
+        return exe
+    exe = shutil.which("nvcc")
+    if exe:
+        return exe
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *DEFAULT_CUDA_ROOTS):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    raise ToolchainError("nvcc (the CUDA compiler, CUDA 12 or newer) not found on PATH, in $CUDA_HOME/bin or "
+                         "/usr/local/cuda/bin; install the CUDA toolkit or set $SUBSTATION_NVCC")
+
+
+def _dryrun_dirs(nvcc: str) -> tuple[list[str], list[str]]:
+    """The toolkit's include and library folders, as nvcc itself reports them."""
+    proc = subprocess.run([nvcc, "-dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                          capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    inc, lib = [], []
+    for line in text.splitlines():
+        if line.startswith("#$ INCLUDES=") or line.startswith("#$ SYSTEM_INCLUDES="):
+            inc += [os.path.normpath(p) for p in re.findall(r'-I"?([^"\s]+)', line)]
+            inc += [os.path.normpath(p) for p in re.findall(r'"-isystem"\s+"([^"]+)"', line)]
+        if line.startswith("#$ LIBRARIES="):
+            lib += [os.path.normpath(p) for p in re.findall(r'-L"?([^"\s]+)', line) if not p.rstrip("/").endswith("stubs")]
+    top = re.search(r"^#\$ TOP=(.+)$", text, re.M)
+    if top:
+        root = os.path.normpath(top.group(1).strip())
+        inc.append(os.path.join(root, "include"))
+        lib += [os.path.join(root, "lib64"), os.path.join(root, "lib")]
+    inc = [d for d in dict.fromkeys(inc) if os.path.isdir(d)]
+    lib = [d for d in dict.fromkeys(lib) if os.path.isdir(d)]
+    return inc, lib
+
+
+def _cublas_candidates(include_dirs, lib_dirs, major: int) -> list[tuple[str, str]]:
+    """(include folder, library path) pairs, best first."""
+    pairs: list[tuple[str, str]] = []
+
+    def add(inc_dirs, libdirs):
+        inc = next((d for d in inc_dirs if os.path.exists(os.path.join(d, "cublas_v2.h"))), None)
+        if inc is None:
+            return
+        libs = []
+        for d in libdirs:
+            libs += sorted(glob.glob(os.path.join(d, "libcublas.so.*")))
+        libs = [p for p in libs if re.search(r"libcublas\.so\.\d+$", p)]
+        if libs:
+            pairs.append((inc, libs[0]))
+
+    root = os.environ.get("SUBSTATION_CUBLAS_ROOT")
+    if root:
+        add([os.path.join(root, "include")], [os.path.join(root, "lib"), os.path.join(root, "lib64")])
+    add(include_dirs, lib_dirs)
+    for base in dict.fromkeys(p for p in sys.path if p and os.path.isdir(p)):
+        for sub in (f"cu{major}", "cu13", "cu12", "cublas"):
+            d = os.path.join(base, "nvidia", sub)
+            if os.path.isdir(d):
+                add([os.path.join(d, "include")], [os.path.join(d, "lib")])
+    # Prefer the library of nvcc's own major version.
+    pairs.sort(key=lambda p: 0 if p[1].endswith(f".so.{major}") else 1)
+    return list(dict.fromkeys(pairs))
+
+
+def _cublas_version(include: str) -> str:
+    try:
+        with open(os.path.join(include, "cublas_api.h")) as f:
+            text = f.read()
+        parts = [re.search(rf"#define\s+CUBLAS_VER_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+        return ".".join(m.group(1) for m in parts if m)
+    except OSError:
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_toolchain() -> CudaToolchain:
+    """Find nvcc (CUDA >= 12) and, if present, cuBLAS (see the module docstring).
+
+    Raises:
+        ToolchainError: nvcc missing, not runnable, or older than CUDA 12. (A missing cuBLAS is
+            reported by :meth:`CudaToolchain.require_cublas`, which every nvcc build calls.)
+    """
+    nvcc = _find_nvcc()
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ToolchainError(f"cannot run {nvcc} --version: {e}") from None
+    m = re.search(r"release (\d+)\.(\d+), V([\d.]+)", out)
+    if not m:
+        raise ToolchainError(f"cannot read the CUDA version from '{nvcc} --version': {out.strip()[:200]!r}")
+    major = int(m.group(1))
+    if major < 12:
+        raise ToolchainError(f"{nvcc} is CUDA {m.group(1)}.{m.group(2)}; Substation needs CUDA 12 or newer")
+    inc, lib = _dryrun_dirs(nvcc)
+    cands = _cublas_candidates(inc, lib, major)
+    cinc, clib = cands[0] if cands else (None, None)
+    return CudaToolchain(nvcc, m.group(3), major, tuple(inc), tuple(lib), cinc, clib,
+                         _cublas_version(cinc) if cinc else None)
+
+
+def arch_number(arch: str) -> str:
+    """``"sm_90"`` -> ``"90"``, ``"sm_90a"`` -> ``"90a"``.
+
+    Raises:
+        ValueError: not of the form ``sm_<digits>[letter]``.
+    """
+    m = _ARCH_RE.match(arch)
+    if not m:
+        raise ValueError(f"cuda_arch: must look like sm_90 or sm_90a, got {arch!r}")
+    return m.group(1) + m.group(2)
+
+
+def nvcc_flags(arch: str = "sm_90") -> list[str]:
+    """The nvcc flags of a build for ``arch`` (machine code for it plus PTX for newer GPUs).
+
+    Raises:
+        ValueError: a malformed ``arch``.
+    """
+    n = arch_number(arch)
+    return ["-O3", "-std=c++17", "-DNDEBUG", f"-gencode=arch=compute_{n},code=sm_{n}",
+            f"-gencode=arch=compute_{n},code=compute_{n}", "-Xcompiler", "-fPIC", "-shared", "-cudart", "shared"]
+
+
+EMULATION_FLAGS = ("-O1", "-std=c++17", "-fPIC", "-shared", "-fno-strict-aliasing", "-DSS_EMULATE", "-x", "c++")
+
+
+@functools.lru_cache(maxsize=None)
+def emulation_toolchain() -> tuple[str, str, tuple[str, ...]]:
+    """(C++ compiler, its version, CUDA include folders) for ``emulate=True`` builds.
+
+    Raises:
+        ToolchainError: no C++ compiler, or no CUDA headers (``cuda_fp16.h``) found.
+    """
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise ToolchainError("C++ compiler not found on PATH (set $CXX or install g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    incs: list[str] = []
+    try:
+        incs = list(cuda_toolchain().include_dirs)
+    except ToolchainError:
+        pass
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            incs.append(os.path.join(root, "include"))
+    incs = [d for d in dict.fromkeys(incs) if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
+    if not incs:
+        raise ToolchainError("CUDA headers (cuda_fp16.h) not found: install the CUDA toolkit (nvcc) or set $CUDA_HOME")
+    return cxx, version, tuple(incs)
+
+
+def _header_text() -> str:
+    with open(_HEADER) as f:
+        return f.read()
+
+
+def _command(src: str, lib: str, arch: str, emulate: bool) -> tuple[list[str], str]:
+    """(compiler command, identity of the toolchain for the cache key)."""
+    if emulate:
+        cxx, version, incs = emulation_toolchain()
+        cmd = [cxx, *EMULATION_FLAGS, f"-I{_HEADER_DIR}", *(f"-I{d}" for d in incs), src, "-o", lib]
+        return cmd, version
+    tc = cuda_toolchain()
+    tc.require_cublas()
+    link = ["-Xlinker", tc.cublas_lib, "-Xlinker", "-rpath", "-Xlinker", os.path.dirname(tc.cublas_lib)]
+    for d in tc.lib_dirs:
+        link += ["-Xlinker", "-rpath", "-Xlinker", d]
+    cmd = [tc.nvcc, *nvcc_flags(arch), f"-I{_HEADER_DIR}", f"-I{tc.cublas_include}", src, "-o", lib, *link]
+    return cmd, f"nvcc {tc.nvcc_version} cublas {tc.cublas_version} {os.path.realpath(tc.cublas_lib)}"
+
+
+def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emulate: bool = False) -> BuildResult:
+    """Compile generated CUDA ``source`` into a shared library for ``arch``, or reuse the cached build.
+
+    With ``emulate``, compile it for the CPU emulation instead (tests without a GPU).
+
+    Returns:
+        a :class:`~substation.build.BuildResult` (path, cached, compile seconds).
+
+    Raises:
+        ToolchainError: nvcc (CUDA >= 12) or cuBLAS missing (emulation: C++ compiler or CUDA headers).
+        BuildError: the compiler failed (nothing is written to the cache).
+        ValueError: a malformed ``arch``.
+    """
+    arch_number(arch)
+    root = cache_dir()
+    probe_cmd, ident = _command("source.cu", "lib.so", arch, emulate)
+    from . import __version__
+    h = hashlib.sha256()
+    for part in (source, _header_text(), ident, " ".join(probe_cmd[1:]), str(emulate), __version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    key = ("cuda-emu-" if emulate else "cuda-") + h.hexdigest()[:32]
+    entry = os.path.join(root, key)
+    if os.path.isdir(entry):
+        if _valid(entry):
+            return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
+        _discard(entry)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
+    try:
+        src = os.path.join(tmp, "source.cu")
+        with open(src, "w") as f:
+            f.write(source)
+        lib = os.path.join(tmp, "lib.so")
+        cmd, _ = _command(src, lib, arch, emulate)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0 or not os.path.exists(lib):
+            raise BuildError(f"compiling {label} failed ({' '.join(cmd)}):\n{(proc.stderr or proc.stdout)[-6000:]}")
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump({"key": key, "label": label, "sha256": _sha256(lib), "command": cmd,
+                       "compile_seconds": seconds, "arch": arch, "emulate": emulate}, f, indent=1)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not _valid(entry):  # lost the race to a broken entry: replace it
+                _discard(entry)
+                os.rename(tmp, entry)
+        return BuildResult(os.path.join(entry, "lib.so"), False, seconds)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_cuda_libraries(sources: dict[str, str], arch: str = "sm_90", emulate: bool = False,
+                         jobs: int | None = None) -> dict[str, BuildResult]:
+    """Build several CUDA sources in parallel (one compiler process each, at most ``jobs`` at once,
+    default the number of CPUs).
+
+    Raises:
+        ToolchainError, BuildError, ValueError: as :func:`build_cuda_library`.
+    """
+    workers = max(1, min(len(sources), jobs or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(build_cuda_library, src, name, arch, emulate) for name, src in sources.items()}
+        return {name: f.result() for name, f in futures.items()}

@@ -1,0 +1,761 @@
+"""CUDA code generation: one ``.cu`` translation unit per :class:`~substation.graph.LayerGraph`.
+
+The same graphs as the CPU target (fused or not, any layout the graph carries) become:
+
+* **contractions** (TC): cuBLAS ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` with float32
+  accumulation (``CUBLAS_COMPUTE_32F``) for float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for
+  float64). The mapping onto a row-major GEMM is :func:`substation.codegen.plan_contraction`'s, the
+  one the CPU build uses; the row-major call is turned into cuBLAS's column-major one by swapping the
+  operands. Batch letters whose strides merge become one strided batch; otherwise the largest batch
+  group (chosen at run time, B and J being runtime sizes) is the strided batch and the others are
+  host loops.
+* **row kernels** (fused EW/SN groups and single EW/SN operators): one CUDA kernel over rows R x
+  inner letters N, the iteration space :mod:`substation.passes.fusion` assigns. A row is handled by
+  one warp (short rows, 4 rows per block) or one block (long rows); every thread owns the same inner
+  elements in every loop of the kernel, so intermediate tensors live in registers inside a loop and
+  in shared-memory row buffers across loops without any barrier, and only row reductions (softmax,
+  layer norm and their gradients: warp shuffles plus a shared-memory step across warps) synchronize.
+  Along the contiguous inner letter, 16-byte vector loads and stores are used when the launcher
+  finds every operand contiguous and aligned (otherwise a scalar instantiation runs). Math is in
+  float32 for float32/float16/bfloat16 tensors (loads convert, stores round), float64 for float64.
+  Dropout is the CPU build's counter-based Philox: same (seed, stream, element index), same mask.
+  Column reductions (bias and layer-norm parameter gradients) write per-row-slot partial sums to
+  the workspace (a fixed number of slots, independent of the GPU) and a second kernel adds them in
+  a fixed order: results are deterministic.
+
+Layer-norm statistics (``*_mean``, ``*_rstd``) are stored in the compute type (float32 for float16
+and bfloat16 layers): see :func:`tensor_dtypes`. Every other tensor has the config's dtype.
+
+The generated library exports the CPU ABI plus a stream::
+
+    int64_t substation_workspace_bytes(const int64_t* sizes);          // sizes = {B, J, K}
+    int     substation_run(void* const* args, const int64_t* sizes, void* workspace,
+                           uint64_t seed, int32_t training, void* stream);   // cudaStream_t
+    const char* substation_signature();     // argument names, comma-separated
+    const char* substation_target();        // "cuda" (or "cuda-emulated", see build_cuda)
+    const char* substation_last_error();    // message of the last failed call on this thread
+
+``args`` are device pointers, one per non-temporary tensor in :attr:`LayerGraph.tensors` order; all
+work is queued on ``stream`` (kernels and cuBLAS); nothing synchronizes with the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import sympy
+
+from .codegen import LayoutError, _cxx, _order, _resolve, plan_contraction
+from .graph import STATIC_DIMENSIONS, LayerGraph, Operator
+
+__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "dropout_keep_mask", "STORAGE_TYPES", "COMPUTE_DTYPES",
+           "LayoutError"]
+
+#: Config dtype -> C++ storage type of the generated code.
+STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+#: Config dtype -> dtype of the arithmetic (and of layer-norm statistics).
+COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
+_CTYPE = {"float32": "float", "float64": "double"}
+
+
+def _size(letter: str) -> str:
+    return "3" if letter == "T" else letter
+
+
+def _symbol(dim: str):
+    return 3 if dim == "T" else sympy.Symbol(dim)
+
+
+def _letters(access: str) -> frozenset:
+    return frozenset(c for c in access if not c.isdigit())
+
+
+def _records(graph: LayerGraph, op: Operator) -> list[dict]:
+    if op.kind == "fused":
+        return op.attrs["ops"]
+    return [{"name": op.label, "kind": op.kind, "attrs": op.attrs, "inputs": graph.inputs_of(op),
+             "outputs": graph.outputs_of(op)}]
+
+
+def stat_tensors(graph: LayerGraph) -> set[str]:
+    """Names of the layer-norm statistics tensors of ``graph`` (forward outputs ``mean``/``rstd`` of a
+    layer norm, backward inputs ``mean``/``rstd`` of its gradients), shape [B, J]."""
+    names = set()
+    for op in graph.operators():
+        if op.op_class == "TC":
+            continue
+        for m in _records(graph, op):
+            if m["kind"] == "layer_norm":
+                names.update(t for c, (t, _) in m["outputs"].items() if c in ("mean", "rstd"))
+            elif m["kind"] in ("layer_norm_grad", "layer_norm_param_grad"):
+                names.update(t for c, (t, _) in m["inputs"].items() if c in ("mean", "rstd"))
+    return names & set(graph.tensors)
+
+
+def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
+    """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except layer-norm
+    statistics (:func:`stat_tensors`), which have the compute dtype (float32 for float16/bfloat16
+    layers), so that backward recomputes normalized values from exact statistics."""
+    dt = graph.config.dtype
+    stats = stat_tensors(graph)
+    return {n: (COMPUTE_DTYPES[dt] if n in stats else dt) for n in graph.tensors}
+
+
+def dropout_keep_mask(seed: int, stream: int, index, p: float):
+    """Which elements the generated dropout keeps (CPU and CUDA builds alike), computed with numpy:
+    element ``e`` uses word ``e % 4`` of the Philox4x32-10 block at counter ``e // 4`` (stream
+    ``stream``, key ``seed``) and is kept when that word is >= round(p * 2^32).
+
+    Args:
+        seed: the 64-bit seed of the call; stream: the dropout site's stream id
+            (:data:`substation.graph.DROPOUT_SITES`); index: integer array of element indices (row-major
+            over the site's ``rng_dims``, e.g. ``((b * H + h) * J + j) * K + k``); p: the probability.
+
+    Returns:
+        a bool array shaped like ``index``.
+    """
+    import numpy as np
+    idx = np.asarray(index, dtype=np.uint64)
+    m32 = np.uint64(0xFFFFFFFF)
+    counter = idx >> np.uint64(2)
+    c0, c1 = counter & m32, counter >> np.uint64(32)
+    c2 = np.full_like(idx, np.uint64(stream & 0xFFFFFFFF))
+    c3 = np.zeros_like(idx)
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = np.uint64(0xD2511F53) * c0
+        p1 = np.uint64(0xCD9E8D57) * c2
+        n0 = (p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0)
+        n2 = (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1)
+        c0, c1, c2, c3 = n0, p1 & m32, n2, p0 & m32
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    word = np.choose((idx & np.uint64(3)).astype(np.int64), [c0, c1, c2, c3])
+    threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+    return word >= np.uint64(threshold)
+
+
+# -- row kernels -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Loop:
+    pre: list      # declarations before the loop (accumulators, row-level loads)
+    body: list     # statements inside the loop over this thread's vectors
+
+
+class _RowKernel:
+    """One CUDA row kernel for a list of member records (see the module docstring)."""
+
+    def __init__(self, gen: "_Generator", members: list[dict], name: str, vector: str | None = None):
+        from .passes.fusion import COLUMN_REDUCTIONS, op_space
+        self.gen, self.graph, self.name, self.members = gen, gen.graph, name, members
+        spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
+        full = spaces[0][0]
+        inner = next((n for _, n in spaces if n is not None), None)
+        refs = [ta for m in members for ta in list(m["inputs"].values()) + list(m["outputs"].values())]
+        main, main_access = next((t, a) for t, a in refs if t in self.graph.tensors and _letters(a) == full)
+        order = _order(_resolve(self.graph, main, main_access), sorted(full))
+        if vector in order and (inner is None or vector in inner):  # a layout plan's vectorized letter
+            order = [c for c in order if c != vector] + [vector]
+        if inner is None:  # element-wise only: the trailing run of static letters (at least one)
+            k = len(order) - 1
+            while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
+                k -= 1
+            inner = frozenset(order[k:])
+        self.full = full
+        self.N = [c for c in order if c in inner]
+        self.R = [c for c in order if c not in inner]
+        self.last = self.N[-1]
+        self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
+        self.col_outputs = [(t, a) for m in self.column for _, (t, a) in sorted(m["outputs"].items())]
+        # Memory operands: kernel parameters, in first-use order.
+        self.memory: dict[str, str] = {}
+        written = set()
+        for m in members:
+            for t, a in list(m["inputs"].values()) + list(m["outputs"].values()):
+                if t in self.graph.tensors and t not in self.memory:
+                    self.memory[t] = a
+            written.update(t for t, _ in m["outputs"].values())
+        col_names = {t for t, _ in self.col_outputs}
+        self.params = [(t, a, t in written) for t, a in self.memory.items() if t not in col_names]
+        self.vector_possible = self._vector_possible()
+
+    # static facts ---------------------------------------------------------------------------------
+    def _vector_possible(self) -> bool:
+        vmax = 16 // self.graph.config.itemsize
+        size = _symbol(self.last)
+        if isinstance(size, int) or size.is_number:
+            if int(size) % vmax:
+                return False
+        elif str(size) in STATIC_DIMENSIONS and self.graph.config.sizes()[str(size)] % vmax:
+            return False
+        for t, a, _ in self.params:
+            op = _resolve(self.graph, t, a)
+            if self.last in op.strides and sympy.simplify(op.strides[self.last] - 1) != 0:
+                return False
+        return True
+
+    def _vector_condition(self) -> str:
+        """C++ condition under which the vector instantiation is valid at run time."""
+        conds = [f"({_size(self.last)}) % VMAX == 0"]
+        for t, a, _ in self.params:
+            op = _resolve(self.graph, t, a)
+            if self.last not in op.strides:
+                continue
+            base = "0" if op.base == 0 else _cxx(op.base)
+            conds.append(f"sscuda::aligned16({t} + {base})")
+            for c, s in op.strides.items():
+                if c != self.last:
+                    conds.append(f"({_cxx(s)}) % VMAX == 0")
+        return " && ".join(dict.fromkeys(conds))
+
+    # emission state -------------------------------------------------------------------------------
+    def _reset(self, plan) -> None:
+        self.plan = plan                 # None during the dry run
+        self.rows: list[str] = []        # the row loop's body
+        self.loop: _Loop | None = None
+        self.loop_id = 0
+        self.regs: set[str] = set()      # tensors with a register array in the open loop
+        self.produced: dict[str, int] = {}   # tensor -> loop that produced it (in-kernel)
+        self.reads: dict[str, set] = {}      # tensor -> loops that read it
+        self.loaded: set[str] = set()        # cached memory tensors already in their buffer
+        self.scalars: dict[str, str] = {}    # row-level values: tensor -> variable
+        self.uid = 0
+
+    def _fresh(self, stem: str) -> str:
+        self.uid += 1
+        return f"{stem}{self.uid}_"
+
+    def _open(self) -> _Loop:
+        if self.loop is None:
+            self.loop = _Loop([], [])
+            self.regs = set()
+        return self.loop
+
+    def _close(self) -> None:
+        if self.loop is None:
+            return
+        lp = self.loop
+        self.rows.extend(lp.pre)
+        self.rows.append("for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
+        self.rows.append("  const int64_t n0_ = nv_ * V;")
+        self.rows.extend("  " + s for s in self._inner_index("n0_"))
+        self.rows.extend("  " + s for s in lp.body)
+        self.rows.append("}")
+        self.loop = None
+        self.regs = set()
+        self.loop_id += 1
+
+    def _inner_index(self, var: str) -> list[str]:
+        if len(self.N) == 1:
+            return [f"const int64_t i_{self.N[0]} = {var};"]
+        res = [f"int64_t rem_ = {var};"]
+        for c in reversed(self.N):
+            res.append(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
+        return res + ["(void)rem_;"]
+
+    def _lane(self, c: str) -> str:
+        return f"(i_{c} + l_)" if c == self.last else f"i_{c}"
+
+    def _offset(self, t: str, a: str) -> str:
+        return _resolve(self.graph, t, a).offset()
+
+    def _buffered(self, t: str) -> bool:
+        return self.plan is not None and t in self.plan["buffers"]
+
+    # values ---------------------------------------------------------------------------------------
+    def val(self, t: str, a: str) -> str:
+        """Per-lane expression of tensor ``t`` (access ``a``) inside the open loop, loading it first."""
+        lp = self._open()
+        self.reads.setdefault(t, set()).add(self.loop_id)
+        if t in self.regs:
+            return f"r_{t}[l_]"
+        self.regs.add(t)
+        lp.body.append(f"comp_t r_{t}[V];")
+        if t in self.produced or (t in self.loaded and self._buffered(t)):
+            if self.plan is not None and not self._buffered(t):
+                raise AssertionError(f"{self.name}: {t} is needed in a later loop but has no buffer")
+            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) r_{t}[l_] = buf_{t}[n0_ + l_];")
+            return f"r_{t}[l_]"
+        if t not in self.graph.tensors:
+            raise AssertionError(f"{self.name}: tensor {t} is neither in memory nor produced earlier")
+        op = _resolve(self.graph, t, a)
+        fn = "load" if self.last in op.strides else "load_bcast"
+        lp.body.append(f"sscuda::{fn}<V>({t} + ({op.offset()}), r_{t});")
+        if self._buffered(t):
+            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+            self.loaded.add(t)
+        return f"r_{t}[l_]"
+
+    def row_val(self, t: str, a: str) -> str:
+        """A row-level value (access letters within R): a variable, loaded once per row."""
+        if t in self.scalars:
+            return self.scalars[t]
+        var = f"sc_{t}"
+        line = f"const comp_t {var} = sscuda::cvt<comp_t>({t}[{self._offset(t, a)}]);"
+        (self.loop.pre if self.loop is not None else self.rows).append(line)
+        self.scalars[t] = var
+        return var
+
+    def lane(self, stmts: list[str], outputs: list[tuple[str, str, str]] = ()) -> None:
+        """Per-lane statements in the open loop; ``outputs`` are (tensor, access, expression) stored
+        into the tensor's register array, then to memory and/or its buffer."""
+        lp = self._open()
+        for t, _, _ in outputs:
+            lp.body.append(f"comp_t r_{t}[V];")
+        body = list(stmts) + [f"r_{t}[l_] = {e};" for t, _, e in outputs]
+        lp.body.append("SS_UNROLL for (int l_ = 0; l_ < V; ++l_) {")
+        lp.body.extend("  " + s for s in body)
+        lp.body.append("}")
+        for t, a, _ in outputs:
+            self.regs.add(t)
+            self.produced[t] = self.loop_id
+            if t in self.graph.tensors:
+                lp.body.append(f"sscuda::store<V>({t} + ({self._offset(t, a)}), r_{t});")
+            if self._buffered(t):
+                lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+
+    def put_row(self, t: str, a: str, value: str) -> None:
+        """A row-level output (layer-norm statistics): kept in a variable, written by lane 0."""
+        self.scalars[t] = value
+        if t in self.graph.tensors:
+            self.rows.append(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
+
+    def reduce(self, var: str, how: str) -> None:
+        self._close()
+        self.rows.append(f"{var} = sscuda::group_{how}<WARP>({var}, red_);")
+
+    # members --------------------------------------------------------------------------------------
+    def _ew(self, m, fmt: str) -> None:
+        (t, a), = m["outputs"].values()
+        vals = {c: self.val(*ta) for c, ta in sorted(m["inputs"].items())}
+        self.lane([], [(t, a, fmt.format(**vals))])
+
+    def _bias(self, m, attrs):
+        self._ew(m, "{x} + {b}")
+
+    def _add(self, m, attrs):
+        self._ew(m, " + ".join("{" + c + "}" for c in sorted(m["inputs"])))
+
+    def _transpose(self, m, attrs):  # a copy into another layout (inserted by the layout pass)
+        self._ew(m, "{x}")
+
+    def _mask(self, m, attrs):
+        expr = "{x} + {m}"
+        if attrs.get("causal"):
+            letters = [c for c in m["outputs"]["y"][1] if not c.isdigit()]
+            expr = f"({self._lane(letters[-1])} > {self._lane(letters[-2])}) ? (comp_t)(-INFINITY) : ({expr})"
+        self._ew(m, expr)
+
+    def _dropout(self, m, attrs):
+        p = attrs["p"]
+        threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+        dims = attrs["rng_dims"]
+
+        def index(lane: bool) -> str:
+            idx = ""
+            for c in dims:
+                i = self._lane(c) if lane else f"i_{c}"
+                idx = f"({idx}) * {_size(c)} + {i}" if idx else i
+            return idx
+        (t, a), = m["outputs"].values()
+        x = self.val(*m["inputs"]["x"])
+        scale = f"(comp_t){1.0 / (1.0 - p)!r}"
+        if dims[-1] == self.last:  # the lanes' random indices are consecutive: blocks of four words
+            rw = self._fresh("rw")
+            self._open().body += [f"uint32_t {rw}[V];",
+                                  f"if (training) sscuda::random_words<V>(seed, {attrs['stream']}u, "
+                                  f"(uint64_t)({index(False)}), {rw});"]
+            word = f"{rw}[l_]"
+        else:
+            word = f"sscuda::random_word(seed, {attrs['stream']}u, (uint64_t)({index(True)}))"
+        self.lane([], [(t, a, f"training ? (({word} >= {threshold}u) ? {x} * {scale} : (comp_t)0) : {x}")])
+
+    def _activation(self, m, attrs):
+        self._ew(m, f"sscuda::{attrs['function']}({{x}})")
+
+    def _activation_grad(self, m, attrs):
+        self._ew(m, f"{{dy}} * sscuda::{attrs['function']}_grad({{x}})")
+
+    def _softmax(self, m, attrs):
+        xt = m["inputs"]["x"]
+        y, ya = m["outputs"]["y"]
+        mx, s, inv, dead = self._fresh("mx"), self._fresh("s"), self._fresh("inv"), self._fresh("dead")
+        self._open().pre.append(f"comp_t {mx} = (comp_t)(-INFINITY);")
+        x = self.val(*xt)
+        self.lane([f"{mx} = sscuda::max_({mx}, {x});"])
+        self.reduce(mx, "max")
+        # Every key masked (-inf): probabilities 0 (the documented behaviour), not NaN.
+        self.rows.append(f"const bool {dead} = {mx} == (comp_t)(-INFINITY);")
+        self._open().pre.append(f"comp_t {s} = 0;")
+        x = self.val(*xt)
+        self.lane([f"{s} += {dead} ? (comp_t)0 : sscuda::exp_({x} - {mx});"])
+        self.reduce(s, "sum")
+        self.rows.append(f"const comp_t {inv} = (comp_t)1 / {s};")
+        x = self.val(*xt)
+        self.lane([], [(y, ya, f"{dead} ? (comp_t)0 : sscuda::exp_({x} - {mx}) * {inv}")])
+
+    def _softmax_grad(self, m, attrs):
+        dyt, prt = m["inputs"]["dy"], m["inputs"]["probs"]
+        t, a = m["outputs"]["y"]
+        dot = self._fresh("dot")
+        self._open().pre.append(f"comp_t {dot} = 0;")
+        dy, pr = self.val(*dyt), self.val(*prt)
+        self.lane([f"{dot} += {dy} * {pr};"])
+        self.reduce(dot, "sum")
+        dy, pr = self.val(*dyt), self.val(*prt)
+        self.lane([], [(t, a, f"{pr} * ({dy} - {dot})")])
+
+    def _layer_norm(self, m, attrs):
+        xt = m["inputs"]["x"]
+        (y, ya), (mt, ma), (rt, ra) = m["outputs"]["y"], m["outputs"]["mean"], m["outputs"]["rstd"]
+        s, mu, v2, r = self._fresh("s"), self._fresh("mu"), self._fresh("v"), self._fresh("r")
+        self._open().pre.append(f"comp_t {s} = 0;")
+        x = self.val(*xt)
+        self.lane([f"{s} += {x};"])
+        self.reduce(s, "sum")
+        self.rows.append(f"const comp_t {mu} = {s} / (comp_t)nn_;")
+        self._open().pre.append(f"comp_t {v2} = 0;")
+        x = self.val(*xt)
+        self.lane([f"const comp_t d_ = {x} - {mu};", f"{v2} += d_ * d_;"])
+        self.reduce(v2, "sum")
+        self.rows.append(f"const comp_t {r} = sscuda::rsqrt_({v2} / (comp_t)nn_ + (comp_t){attrs['eps']!r});")
+        self.put_row(mt, ma, mu)
+        self.put_row(rt, ra, r)
+        x = self.val(*xt)
+        g, b = self.val(*m["inputs"]["gamma"]), self.val(*m["inputs"]["beta"])
+        self.lane([], [(y, ya, f"(({x} - {mu}) * {r}) * {g} + {b}")])
+
+    def _layer_norm_grad(self, m, attrs):
+        ins = m["inputs"]
+        t, a = m["outputs"]["y"]
+        mu, r = self.row_val(*ins["mean"]), self.row_val(*ins["rstd"])
+        s1, s2 = self._fresh("s1"), self._fresh("s2")
+        lp = self._open()
+        lp.pre += [f"comp_t {s1} = 0;", f"comp_t {s2} = 0;"]
+        dy, x, g = self.val(*ins["dy"]), self.val(*ins["x"]), self.val(*ins["gamma"])
+        self.lane([f"const comp_t gd_ = {g} * {dy};", f"{s1} += gd_;", f"{s2} += gd_ * (({x} - {mu}) * {r});"])
+        self.reduce(s1, "sum")
+        self.rows.append(f"{s2} = sscuda::group_sum<WARP>({s2}, red_);")
+        self.rows.append(f"{s1} /= (comp_t)nn_; {s2} /= (comp_t)nn_;")
+        dy, x, g = self.val(*ins["dy"]), self.val(*ins["x"]), self.val(*ins["gamma"])
+        self.lane([], [(t, a, f"{r} * ({g} * {dy} - {s1} - (({x} - {mu}) * {r}) * {s2})")])
+
+    def _bias_grad(self, m, attrs):
+        dy = self.val(*m["inputs"]["dy"])
+        (t, _), = m["outputs"].values()
+        self.lane([f"acc_{t}[n0_ + l_] += {dy};"])
+
+    def _layer_norm_param_grad(self, m, attrs):
+        ins = m["inputs"]
+        mu, r = self.row_val(*ins["mean"]), self.row_val(*ins["rstd"])
+        dy, x = self.val(*ins["dy"]), self.val(*ins["x"])
+        dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
+        self.lane([f"acc_{dg}[n0_ + l_] += {dy} * (({x} - {mu}) * {r});", f"acc_{db}[n0_ + l_] += {dy};"])
+
+    # whole kernel ---------------------------------------------------------------------------------
+    def _emit_rows(self, plan) -> list[str]:
+        self._reset(plan)
+        for m in self.members:
+            getattr(self, f"_{m['kind']}")(m, m["attrs"])
+        self._close()
+        return self.rows
+
+    def _make_plan(self) -> dict:
+        """Which tensors need a shared-memory row buffer: those produced in the kernel and read in a
+        later loop, and memory tensors (full rows) read in more than one loop."""
+        buffers = []
+        for t, loops in self.reads.items():
+            if t in self.produced:
+                if any(k > self.produced[t] for k in loops):
+                    buffers.append(t)
+            elif len(loops) > 1 and t in self.memory and _letters(self.memory[t]) == self.full:
+                buffers.append(t)
+        return {"buffers": buffers}
+
+    def nrows(self) -> str:
+        return " * ".join(_size(c) for c in self.R) or "1"
+
+    def nn(self) -> str:
+        return " * ".join(_size(c) for c in self.N)
+
+    def generate(self) -> tuple[list[str], list[str], str]:
+        """(kernel definitions, launch statements for ``substation_run``, workspace bytes expression
+        of the column partial sums or "0")."""
+        self._emit_rows(None)
+        plan = self._make_plan()
+        rows = self._emit_rows(plan)
+        buffers = plan["buffers"]
+        ncol = len(self.col_outputs)
+        nslots = len(buffers) + ncol
+        k = self.name
+        params = [f"{'' if w else 'const '}{self.gen.ctype(t)}* __restrict__ {t}" for t, _, w in self.params]
+        if ncol:
+            params.append("comp_t* __restrict__ part_")
+        params += ["const int64_t B", "const int64_t J", "const int64_t K", "const uint64_t seed",
+                   "const int32_t training"]
+        src = [f"// {k}: rows {''.join(self.R) or '-'} x inner {''.join(self.N)}; members: "
+               + ", ".join(f"{m['name']} ({m['kind']})" for m in self.members),
+               "template <int V, bool WARP>",
+               f"SS_KERNEL void {k}({', '.join(params)}) {{",
+               "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
+               f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()}, nvec_ = nn_ / V;",
+               "  const int G_ = WARP ? sscuda::kWarp : (int)SS_BDIM;",
+               "  const int rpb_ = WARP ? (int)SS_BDIM / sscuda::kWarp : 1;",
+               "  const int grp_ = WARP ? (int)SS_TID / sscuda::kWarp : 0;",
+               "  const int tid_ = WARP ? (int)SS_TID % sscuda::kWarp : (int)SS_TID;",
+               "  SS_SMEM(comp_t, smem_);",
+               "  comp_t* red_ = smem_; (void)red_;",
+               f"  comp_t* row_mem_ = smem_ + 32 + (int64_t)grp_ * {max(nslots, 1)} * nn_; (void)row_mem_;"]
+        for q, t in enumerate(buffers):
+            src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
+        for q, (t, _) in enumerate(self.col_outputs):
+            src.append(f"  comp_t* acc_{t} = row_mem_ + (int64_t){len(buffers) + q} * nn_;")
+        if ncol:
+            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
+            src.append("    for (int l_ = 0; l_ < V; ++l_) {")
+            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.col_outputs]
+            src.append("    }")
+        src.append("  for (int64_t row_ = (int64_t)SS_BID * rpb_ + grp_; row_ < nrows_; "
+                   "row_ += (int64_t)SS_GDIM * rpb_) {")
+        if self.R:
+            src.append("    int64_t rrem_ = row_;")
+            for c in reversed(self.R):
+                src.append(f"    const int64_t i_{c} = rrem_ % {_size(c)}; rrem_ /= {_size(c)};")
+        src += ["    " + s for s in rows]
+        src.append("  }")
+        if ncol:
+            src.append("  const int64_t slot_ = (int64_t)SS_BID * rpb_ + grp_;")
+            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
+            src.append("    for (int l_ = 0; l_ < V; ++l_) {")
+            for q, (t, _) in enumerate(self.col_outputs):
+                src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[nv_ * V + l_];")
+            src.append("    }")
+        src += ["}", ""]
+        # The second pass of the column reductions: columns x slot groups per block, each thread adds
+        # a fixed subset of slots in order, then one thread per column adds the groups in order.
+        for q, (t, a) in enumerate(self.col_outputs):
+            src += [f"SS_KERNEL void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
+                    "const int64_t slots_, const int64_t B, const int64_t J, const int64_t K) {",
+                    "  (void)B; (void)J; (void)K;",
+                    f"  const int64_t nn_ = {self.nn()};",
+                    "  SS_SMEM(double, sums_);",
+                    "  const int cx_ = (int)SS_TID % sscuda::kColX, sy_ = (int)SS_TID / sscuda::kColX;",
+                    "  for (int64_t c0_ = (int64_t)SS_BID * sscuda::kColX; c0_ < nn_; "
+                    "c0_ += (int64_t)SS_GDIM * sscuda::kColX) {",
+                    "    const int64_t n_ = c0_ + cx_;",
+                    "    double s_ = 0;",
+                    "    if (n_ < nn_)",
+                    f"      for (int64_t q_ = sy_; q_ < slots_; q_ += sscuda::kColY) s_ += (double)part_[(q_ * {ncol} + {q}) * nn_ + n_];",
+                    "    SS_SYNC();",
+                    "    sums_[sy_ * sscuda::kColX + cx_] = s_;",
+                    "    SS_SYNC();",
+                    "    if (sy_ == 0 && n_ < nn_) {",
+                    "      double tot_ = 0;",
+                    "      for (int y_ = 0; y_ < sscuda::kColY; ++y_) tot_ += sums_[y_ * sscuda::kColX + cx_];",
+                    *("      " + s for s in self._inner_index("n_")),
+                    f"      {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>((comp_t)tot_);",
+                    "    }",
+                    "  }",
+                    "}", ""]
+        # Launch.
+        args = ", ".join([t for t, _, _ in self.params] + (["part_"] if ncol else []) + ["B", "J", "K", "seed", "training"])
+        col = "true" if ncol else "false"
+        vec = self._vector_condition() if self.vector_possible else "false"
+        if self.vector_possible:
+            pick = (f"vec_ ? (cfg_.warp ? &{k}<VMAX, true> : &{k}<VMAX, false>) "
+                    f": (cfg_.warp ? &{k}<1, true> : &{k}<1, false>)")
+        else:
+            pick = f"cfg_.warp ? &{k}<1, true> : &{k}<1, false>"
+        launch = [f"{{  // {k}",
+                  f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()};",
+                  f"  const bool vec_ = {vec};",
+                  f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {max(nslots, 1)}, {col}, sizeof(comp_t));",
+                  f"  auto kern_ = {pick};",
+                  f"  SS_CHECK(sscuda::launch(\"{k}\", kern_, cfg_.grid, cfg_.block, cfg_.smem, stream_, {args}));"]
+        for q, (t, _) in enumerate(self.col_outputs):
+            launch.append(f"  SS_CHECK(sscuda::launch(\"{k}_sum{q}\", &{k}_sum{q}, "
+                          f"std::min<int64_t>((nn_ + sscuda::kColX - 1) / sscuda::kColX, 65535), "
+                          f"sscuda::kColX * sscuda::kColY, sizeof(double) * sscuda::kColX * sscuda::kColY, "
+                          f"stream_, part_, {t}, cfg_.partial_slots, B, J, K));")
+        launch.append("}")
+        ws = "0"
+        if ncol:
+            vs = ["1"] + (["VMAX"] if self.vector_possible else [])
+            terms = [f"sscuda::row_cfg({self.nrows()}, {self.nn()}, {v}, {max(nslots, 1)}, true, sizeof(comp_t))"
+                     f".partial_slots" for v in vs]
+            slots = terms[0] if len(terms) == 1 else f"std::max({terms[0]}, {terms[1]})"
+            ws = f"(int64_t)sizeof(comp_t) * {ncol} * ({self.nn()}) * {slots}"
+        return src, launch, ws
+
+
+# -- contractions ----------------------------------------------------------------------------------
+def _merge_batch(plan) -> list[tuple[list[str], object, object, object, object]]:
+    """Merge adjacent batch letters whose strides nest in all three operands: groups of
+    (letters, size, stride in A, B, C), outermost first."""
+    groups = []
+    for x, sa, sb, sc in plan.batch:
+        if groups:
+            letters, size, ga, gb, gc = groups[-1]
+            n = _symbol(x)
+            ok = all(sympy.simplify((g - s * n).subs(sympy.Symbol("K"), sympy.Symbol("J"))) == 0
+                     for g, s in ((ga, sa), (gb, sb), (gc, sc)))
+            if ok:
+                groups[-1] = (letters + [x], size * n, sa, sb, sc)
+                continue
+        groups.append(([x], _symbol(x), sa, sb, sc))
+    return groups
+
+
+def _emit_contraction(gen: "_Generator", op: Operator) -> list[str]:
+    ops = {conn: _resolve(gen.graph, t, a) for conn, (t, a) in gen.graph.operands(op).items()}
+    out = ops.pop("y")
+    a, b = ops.values()
+    plan = plan_contraction(a, b, out, op.label)
+    alpha = op.attrs.get("alpha", 1.0)
+    base = {w: (_cxx(o.base) if o.base != 0 else "0") for w, o in (("a", plan.a), ("b", plan.b), ("c", out))}
+    groups = _merge_batch(plan)
+
+    def call(batch_group, loop_groups, loop_vars):
+        def off(w, idx):
+            terms = [base[w]] + [f"{v} * ({_cxx(g[2 + idx])})" for v, g in zip(loop_vars, loop_groups)]
+            return " + ".join(t for t in terms if t != "0") or "0"
+        if batch_group is None:
+            count, sa, sb, sc = "1", "0", "0", "0"
+        else:
+            count = _cxx(batch_group[1])
+            sa, sb, sc = (_cxx(s) for s in batch_group[2:])
+        return (f"SS_CHECK(sscuda::gemm<store_t>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, "
+                f"{_cxx(plan.m)}, {_cxx(plan.n)}, {_cxx(plan.k)}, {alpha!r}, "
+                f"{plan.a.name} + ({off('a', 0)}), {_cxx(plan.lda)}, {sa}, "
+                f"{plan.b.name} + ({off('b', 1)}), {_cxx(plan.ldb)}, {sb}, "
+                f"{plan.c.name} + ({off('c', 2)}), {_cxx(plan.ldc)}, {sc}, {count}, stream_));")
+
+    lines = []
+    if not groups:
+        lines.append(call(None, [], []))
+    elif len(groups) == 1:
+        lines.append(call(groups[0], [], []))
+    else:
+        # The largest group (sizes known only at run time) is the strided batch; loop over the rest.
+        lines.append("const int64_t gs_[] = {" + ", ".join(_cxx(g[1]) for g in groups) + "};")
+        lines.append("int best_ = 0;")
+        lines.append(f"for (int q_ = 1; q_ < {len(groups)}; ++q_) if (gs_[q_] > gs_[best_]) best_ = q_;")
+        for i, g in enumerate(groups):
+            rest = [h for j, h in enumerate(groups) if j != i]
+            vars_ = [f"b{j}_" for j, _ in enumerate(groups) if j != i]
+            lines.append(f"{'if' if i == 0 else 'else if'} (best_ == {i}) {{")
+            depth = 1
+            for v, h in zip(vars_, rest):
+                lines.append("  " * depth + f"for (int64_t {v} = 0; {v} < {_cxx(h[1])}; ++{v})")
+                depth += 1
+            lines.append("  " * depth + call(g, rest, vars_))
+            lines.append("}")
+    return lines
+
+
+# -- the translation unit --------------------------------------------------------------------------
+class _Generator:
+    def __init__(self, graph: LayerGraph):
+        self.graph = graph
+        self.dtypes = tensor_dtypes(graph)
+
+    def ctype(self, tensor: str) -> str:
+        return "store_t" if self.dtypes[tensor] == self.graph.config.dtype else "comp_t"
+
+
+def _kernel_name(index: int, label: str) -> str:
+    return f"k{index}_" + re.sub(r"[^A-Za-z0-9_]", "_", label)
+
+
+def _numel(dims: str) -> str:
+    return " * ".join(_size(d) for d in dims)
+
+
+def generate_cuda(graph: LayerGraph) -> str:
+    """CUDA C++ source of ``graph`` (see the module docstring for the exported ABI).
+
+    Tensors: every non-temporary tensor of ``graph`` is an argument, of the config's dtype
+    (float32, float64, float16 or bfloat16) except layer-norm statistics ([B, J], compute dtype);
+    H, P, I, U are compile-time constants, B, J, K runtime sizes. Compile with
+    :func:`substation.build_cuda.build_cuda_library`.
+
+    Raises:
+        LayoutError: a contraction's operand layouts need an explicit transpose.
+        ValueError: the config's dtype has no CUDA storage type.
+    """
+    cfg = graph.config
+    if cfg.dtype not in STORAGE_TYPES:
+        raise ValueError(f"dtype {cfg.dtype!r} has no CUDA implementation (one of {', '.join(STORAGE_TYPES)})")
+    gen = _Generator(graph)
+    sizes = cfg.sizes()
+    kernels, body, ws_parts = [], [], []
+    for n, op in enumerate(graph.operators()):
+        body.append(f"// {op.label} [{op.op_class}] {op.kind}: "
+                    + ", ".join(f"{c}={t}[{a}]" for c, (t, a) in sorted(graph.operands(op).items())))
+        if op.kind == "contraction":
+            body.append("{")
+            body += ["  " + s for s in _emit_contraction(gen, op)]
+            body.append("}")
+            continue
+        rk = _RowKernel(gen, _records(graph, op), _kernel_name(n, op.label), op.attrs.get("vector"))
+        src, launch, ws = rk.generate()
+        kernels += src
+        body += launch
+        if ws != "0":
+            ws_parts.append(ws)
+    args = [t for t in graph.tensors.values() if t.role != "temp"]
+    temps = [t for t in graph.tensors.values() if t.role == "temp"]
+    item = {"store_t": "sizeof(store_t)", "comp_t": "sizeof(comp_t)"}
+    partial = "0"
+    for w in ws_parts:
+        partial = w if partial == "0" else f"std::max<int64_t>({partial}, {w})"
+    src = [
+        f"// Generated by Substation (CUDA): {graph.sdfg.name} ({graph.phase}), config {cfg.name}, "
+        f"dtype {cfg.dtype}.",
+        '#include "substation_cuda.cuh"',
+        "",
+        "namespace {",
+        *(f"constexpr int64_t {d} = {sizes[d]};" for d in STATIC_DIMENSIONS),
+        f"typedef {STORAGE_TYPES[cfg.dtype]} store_t;",
+        f"typedef {_CTYPE[COMPUTE_DTYPES[cfg.dtype]]} comp_t;",
+        "constexpr int VMAX = 16 / (int)sizeof(store_t);  // elements per 16-byte vector",
+        "",
+        *kernels,
+        "int64_t partial_bytes(const int64_t B, const int64_t J, const int64_t K) {",
+        "  (void)B; (void)J; (void)K;",
+        f"  return {partial};",
+        "}",
+        "}  // namespace",
+        "",
+        'extern "C" const char* substation_signature() {',
+        f'  return "{",".join(t.name for t in args)}";',
+        "}",
+        'extern "C" const char* substation_target() { return SS_TARGET; }',
+        'extern "C" const char* substation_last_error() { return sscuda::last_error(); }',
+        "",
+        'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
+        "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
+        "  int64_t total = 0;",
+        *(f"  total += sscuda::align_up((int64_t){item[gen.ctype(t.name)]} * {_numel(t.dims)});" for t in temps),
+        "  total += sscuda::align_up(partial_bytes(B, J, K));",
+        "  return total;",
+        "}",
+        "",
+        'extern "C" int substation_run(void* const* args, const int64_t* sizes, void* workspace,',
+        "                              uint64_t seed, int32_t training, void* stream) {",
+        "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
+        "  (void)seed; (void)training;",
+        "  const sscuda::Stream stream_ = (sscuda::Stream)stream;",
+        "  SS_CHECK(sscuda::begin(stream_));",
+        *(f"  {gen.ctype(t.name)}* {t.name} = static_cast<{gen.ctype(t.name)}*>(args[{i}]);"
+          for i, t in enumerate(args)),
+        "  char* ws_ = static_cast<char*>(workspace);",
+        "  (void)ws_;",
+    ]
+    for t in temps:
+        ct = gen.ctype(t.name)
+        src.append(f"  {ct}* {t.name} = reinterpret_cast<{ct}*>(ws_); "
+                   f"ws_ += sscuda::align_up((int64_t){item[ct]} * {_numel(t.dims)});")
+    src.append("  comp_t* part_ = reinterpret_cast<comp_t*>(ws_); (void)part_;")
+    src += ["  " + s for s in body]
+    src += ["  return sscuda::finish();", "}", ""]
+    return "\n".join(src)

@@ -1,0 +1,513 @@
+// Runtime helpers for Substation's generated CUDA code (see substation/codegen_cuda.py).
+//
+// Everything lives in namespace `sscuda`: type conversions, 16-byte vector loads and stores, the
+// same counter-based Philox dropout as substation_cpu.h (identical masks for identical
+// (seed, stream, element index)), activations, warp and block reductions, row-kernel launch
+// configuration, cuBLAS GEMMs (float32 accumulation) and error reporting.
+//
+// Built with nvcc this is the real thing. Built with a host C++ compiler and -DSS_EMULATE it becomes
+// a sequential emulation used by the tests on machines without a GPU: one thread per block, warps of
+// one lane, kernels run in a loop over blocks and cuBLAS is replaced by a plain column-major GEMM with
+// cuBLAS's argument conventions. The generated code is the same in both cases, so the emulation
+// checks indexing, layouts, vectorization, dtype conversions, dropout masks and the GEMM mapping;
+// it cannot check inter-thread synchronization.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include <climits>
+#include <algorithm>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifdef SS_EMULATE
+#include <vector>
+#define SS_KERNEL static
+#define SS_DEV inline
+#define SS_HD inline
+#define SS_TARGET "cuda-emulated"
+#define SS_UNROLL _Pragma("GCC unroll 16")
+#define SS_TID (::sscuda::emu::state().tid)
+#define SS_BID (::sscuda::emu::state().bid)
+#define SS_BDIM (::sscuda::emu::state().bdim)
+#define SS_GDIM (::sscuda::emu::state().gdim)
+#define SS_SMEM(type, name) type* name = reinterpret_cast<type*>(::sscuda::emu::state().smem.data())
+#define SS_SYNC() ((void)0)
+#else
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#define SS_KERNEL __global__ __launch_bounds__(512)
+#define SS_DEV __device__ __forceinline__
+#define SS_HD __host__ __device__ __forceinline__
+#define SS_TARGET "cuda"
+#define SS_UNROLL _Pragma("unroll")
+#define SS_TID threadIdx.x
+#define SS_BID blockIdx.x
+#define SS_BDIM blockDim.x
+#define SS_GDIM gridDim.x
+#define SS_SMEM(type, name) \
+  extern __shared__ __align__(16) unsigned char ss_smem_raw_[]; \
+  type* name = reinterpret_cast<type*>(ss_smem_raw_)
+#define SS_SYNC() __syncthreads()
+#endif
+
+// Return the error code of a helper call from the enclosing function.
+#define SS_CHECK(call) do { const int ss_rc_ = (call); if (ss_rc_) return ss_rc_; } while (0)
+
+namespace sscuda {
+
+#ifdef SS_EMULATE
+constexpr int kWarp = 1;        // lanes per warp
+constexpr int kWarpRows = 1;    // rows per block in warp mode
+constexpr int kMaxBlock = 1;    // threads per block in block mode
+constexpr int kColX = 1, kColY = 1;  // column-sum block: columns x slot groups
+typedef void* Stream;
+namespace emu {
+struct State {
+  int64_t tid = 0, bid = 0, bdim = 1, gdim = 1;
+  std::vector<unsigned char> smem;
+};
+inline State& state() { static thread_local State s; return s; }
+}  // namespace emu
+#else
+constexpr int kWarp = 32;
+constexpr int kWarpRows = 4;
+constexpr int kMaxBlock = 512;
+constexpr int kColX = 32, kColY = 8;
+typedef cudaStream_t Stream;
+#endif
+// Blocks of a kernel that has column reductions: fixed, so that the partial sums (and hence the
+// result) do not depend on the GPU model.
+constexpr int64_t kColGrid = 512;
+
+// ---- errors ----------------------------------------------------------------------------------
+inline char* error_buffer() { static thread_local char buf[512] = {0}; return buf; }
+inline const char* last_error() { return error_buffer(); }
+inline int fail(int code, const char* what, const char* detail) {
+  std::snprintf(error_buffer(), 512, "%s: %s (code %d)", what, detail, code);
+  return code;
+}
+// Codes returned by substation_run: 1xxxxx cuBLAS status, 2xxxxx CUDA error, 3xxxxx Substation.
+enum : int { kErrBlas = 100000, kErrCuda = 200000, kErrSubstation = 300000 };
+
+// ---- scalar types ----------------------------------------------------------------------------
+SS_HD float to_c(float x, float) { return x; }
+SS_HD float to_c(double x, float) { return (float)x; }
+SS_HD float to_c(__half x, float) { return __half2float(x); }
+SS_HD float to_c(__nv_bfloat16 x, float) { return __bfloat162float(x); }
+SS_HD double to_c(double x, double) { return x; }
+SS_HD double to_c(float x, double) { return (double)x; }
+SS_HD double to_c(__half x, double) { return (double)__half2float(x); }
+SS_HD double to_c(__nv_bfloat16 x, double) { return (double)__bfloat162float(x); }
+// Load element type X as compute type C.
+template <typename C, typename X> SS_HD C cvt(X x) { return to_c(x, C()); }
+
+template <typename X> struct Store;
+template <> struct Store<float> {
+  SS_HD static float from(float v) { return v; }
+  SS_HD static float from(double v) { return (float)v; }
+};
+template <> struct Store<double> {
+  SS_HD static double from(double v) { return v; }
+  SS_HD static double from(float v) { return (double)v; }
+};
+template <> struct Store<__half> {
+  SS_HD static __half from(float v) { return __float2half_rn(v); }
+  SS_HD static __half from(double v) { return __float2half_rn((float)v); }
+};
+template <> struct Store<__nv_bfloat16> {
+  SS_HD static __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
+  SS_HD static __nv_bfloat16 from(double v) { return __float2bfloat16_rn((float)v); }
+};
+template <typename X, typename C> SS_HD X to_x(C v) { return Store<X>::from(v); }
+
+// ---- vector memory access --------------------------------------------------------------------
+// V consecutive elements starting at p (aligned to V * sizeof(X) bytes when V > 1: the launcher
+// checks alignment before it picks a vector instantiation), converted to the compute type.
+template <typename X, int V> struct alignas(sizeof(X) * V) Pack { X v[V]; };
+
+template <int V, typename X, typename C> SS_DEV void load(const X* __restrict__ p, C* out) {
+  if constexpr (V == 1) {
+    out[0] = cvt<C>(p[0]);
+  } else {
+    Pack<X, V> pk;
+#ifdef SS_EMULATE
+    std::memcpy(&pk, p, sizeof(pk));
+#else
+    pk = *reinterpret_cast<const Pack<X, V>*>(p);
+#endif
+    SS_UNROLL
+    for (int l = 0; l < V; ++l) out[l] = cvt<C>(pk.v[l]);
+  }
+}
+// One element broadcast to every lane (an operand that does not vary along the vector).
+template <int V, typename X, typename C> SS_DEV void load_bcast(const X* __restrict__ p, C* out) {
+  const C v = cvt<C>(p[0]);
+  SS_UNROLL
+  for (int l = 0; l < V; ++l) out[l] = v;
+}
+template <int V, typename X, typename C> SS_DEV void store(X* __restrict__ p, const C* in) {
+  if constexpr (V == 1) {
+    p[0] = to_x<X>(in[0]);
+  } else {
+    Pack<X, V> pk;
+    SS_UNROLL
+    for (int l = 0; l < V; ++l) pk.v[l] = to_x<X>(in[l]);
+#ifdef SS_EMULATE
+    std::memcpy(p, &pk, sizeof(pk));
+#else
+    *reinterpret_cast<Pack<X, V>*>(p) = pk;
+#endif
+  }
+}
+// Whether p is aligned to 16 bytes.
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// ---- counter-based dropout -------------------------------------------------------------------
+// Philox4x32-10 exactly as in substation_cpu.h: element e of a dropout stream uses word e % 4 of the
+// block at counter e / 4, so the CPU and CUDA builds keep or drop the same elements for the same
+// (seed, stream, element index), and one block serves four consecutive elements.
+struct Words { uint32_t w[4]; };
+
+SS_HD Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
+  uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = stream, c3 = 0;
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+  SS_UNROLL
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = (uint64_t)0xD2511F53u * (uint64_t)c0;
+    const uint64_t p1 = (uint64_t)0xCD9E8D57u * (uint64_t)c2;
+    const uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+    const uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  Words res;
+  res.w[0] = c0; res.w[1] = c1; res.w[2] = c2; res.w[3] = c3;
+  return res;
+}
+// The random word of element `index` (any access pattern).
+SS_HD uint32_t random_word(uint64_t seed, uint32_t stream, uint64_t index) {
+  const Words b = philox(index >> 2, stream, seed);
+  const uint32_t j = (uint32_t)(index & 3);
+  return j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+}
+// The words of elements first .. first + V - 1: one block per four elements when `first` is a
+// multiple of 4 and V of 4, else one block per element.
+template <int V> SS_DEV void random_words(uint64_t seed, uint32_t stream, uint64_t first, uint32_t* out) {
+  if constexpr (V % 4 == 0) {
+    if ((first & 3) == 0) {
+      SS_UNROLL
+      for (int g = 0; g < V / 4; ++g) {
+        const Words b = philox((first >> 2) + (uint64_t)g, stream, seed);
+        out[4 * g] = b.w[0]; out[4 * g + 1] = b.w[1]; out[4 * g + 2] = b.w[2]; out[4 * g + 3] = b.w[3];
+      }
+      return;
+    }
+  }
+  SS_UNROLL
+  for (int l = 0; l < V; ++l) out[l] = random_word(seed, stream, first + (uint64_t)l);
+}
+
+// ---- elementary functions (compute type float or double) -------------------------------------
+SS_HD float exp_(float x) { return expf(x); }
+SS_HD double exp_(double x) { return exp(x); }
+SS_HD float erf_(float x) { return erff(x); }
+SS_HD double erf_(double x) { return erf(x); }
+SS_HD float tanh_(float x) { return tanhf(x); }
+SS_HD double tanh_(double x) { return tanh(x); }
+SS_HD float max_(float a, float b) { return fmaxf(a, b); }
+SS_HD double max_(double a, double b) { return fmax(a, b); }
+SS_HD float rsqrt_(float x) { return 1.0f / sqrtf(x); }
+SS_HD double rsqrt_(double x) { return 1.0 / sqrt(x); }
+
+template <typename T> SS_HD T gelu(T x) { return T(0.5) * x * (T(1) + erf_(x * T(0.70710678118654752440))); }
+template <typename T> SS_HD T gelu_grad(T x) {
+  const T cdf = T(0.5) * (T(1) + erf_(x * T(0.70710678118654752440)));
+  const T pdf = exp_(T(-0.5) * x * x) * T(0.39894228040143267794);
+  return cdf + x * pdf;
+}
+template <typename T> SS_HD T gelu_tanh(T x) {
+  const T c = T(0.79788456080286535588);  // sqrt(2 / pi)
+  return T(0.5) * x * (T(1) + tanh_(c * (x + T(0.044715) * x * x * x)));
+}
+template <typename T> SS_HD T gelu_tanh_grad(T x) {
+  const T c = T(0.79788456080286535588);
+  const T t = tanh_(c * (x + T(0.044715) * x * x * x));
+  return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * c * (T(1) + T(3) * T(0.044715) * x * x);
+}
+template <typename T> SS_HD T relu(T x) { return x > T(0) ? x : T(0); }
+template <typename T> SS_HD T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }
+
+// ---- reductions ------------------------------------------------------------------------------
+template <typename T> SS_DEV T shfl_xor(T v, int offset) {
+#ifdef SS_EMULATE
+  (void)offset;
+  return v;
+#else
+  return __shfl_xor_sync(0xffffffffu, v, offset);
+#endif
+}
+template <typename T> SS_DEV T warp_sum(T v) {
+  SS_UNROLL
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += shfl_xor(v, o);
+  return v;
+}
+template <typename T> SS_DEV T warp_max(T v) {
+  SS_UNROLL
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = max_(v, shfl_xor(v, o));
+  return v;
+}
+// All-reduce over the threads that share a row: one warp (WARP) or the whole block. Every thread of
+// the group must call it (block mode synchronizes the block); `red` is 32 elements of shared memory.
+// The leading barrier keeps a previous reduction's readers from seeing `red` overwritten.
+template <bool WARP, typename T> SS_DEV T group_sum(T v, T* red) {
+  v = warp_sum(v);
+  if (WARP) return v;
+  const int lane = (int)SS_TID % kWarp, w = (int)SS_TID / kWarp, nw = ((int)SS_BDIM + kWarp - 1) / kWarp;
+  SS_SYNC();
+  if (lane == 0) red[w] = v;
+  SS_SYNC();
+  return warp_sum(lane < nw ? red[lane] : T(0));
+}
+template <bool WARP, typename T> SS_DEV T group_max(T v, T* red) {
+  v = warp_max(v);
+  if (WARP) return v;
+  const int lane = (int)SS_TID % kWarp, w = (int)SS_TID / kWarp, nw = ((int)SS_BDIM + kWarp - 1) / kWarp;
+  SS_SYNC();
+  if (lane == 0) red[w] = v;
+  SS_SYNC();
+  return warp_max(lane < nw ? red[lane] : T(-INFINITY));
+}
+
+// ---- row-kernel launch configuration ---------------------------------------------------------
+// A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
+// (nvec <= 2 warps) get one warp each, kWarpRows rows per block; longer rows one block each
+// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory: 32 reduction slots plus,
+// per row in flight, `slots` row-long arrays (buffers of intermediate tensors and column
+// accumulators) of the compute type.
+struct RowCfg {
+  int64_t grid;
+  int block;
+  int rows_per_block;
+  bool warp;
+  size_t smem;
+  int64_t partial_slots;  // grid * rows_per_block: partial sums per column output
+};
+inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, bool column, size_t csize) {
+  RowCfg c;
+  const int64_t nvec = nn / v;
+  c.warp = nvec <= 2 * kWarp;
+  if (c.warp) {
+    c.rows_per_block = kWarpRows;
+    c.block = kWarpRows * kWarp;
+  } else {
+    c.rows_per_block = 1;
+    const int64_t b = (nvec + kWarp - 1) / kWarp * kWarp;
+    c.block = (int)std::min<int64_t>(b, kMaxBlock);
+  }
+  const int64_t blocks = std::max<int64_t>(1, (nrows + c.rows_per_block - 1) / c.rows_per_block);
+  c.grid = std::min<int64_t>(blocks, column ? kColGrid : (int64_t)INT_MAX);
+  c.smem = (size_t)(32 + (int64_t)c.rows_per_block * slots * nn) * csize;
+  c.partial_slots = c.grid * c.rows_per_block;
+  return c;
+}
+
+#ifdef SS_EMULATE
+// ---- emulated launch and GEMM ----------------------------------------------------------------
+template <typename... KA, typename... A>
+inline int launch(const char* name, void (*kern)(KA...), int64_t grid, int block, size_t smem, Stream,
+                  A... args) {
+  if (block != 1) return fail(kErrSubstation + 1, name, "emulation runs one thread per block");
+  emu::State& s = emu::state();
+  s.smem.assign(smem, 0xFF);  // NaN bytes: reading shared memory never written shows up
+  s.gdim = grid;
+  s.bdim = 1;
+  s.tid = 0;
+  for (int64_t b = 0; b < grid; ++b) {
+    s.bid = b;
+    kern(args...);
+  }
+  return 0;
+}
+
+// Column-major C[m, n] = alpha * op(A)[m, k] op(B)[k, n] (beta = 0), `batch` times with strides,
+// as cublasGemmStridedBatchedEx; accumulates in double.
+template <typename X>
+inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* A, int64_t lda,
+                   int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
+                   Stream) {
+  if (lda < (ta ? k : m) || ldb < (tb ? n : k) || ldc < m)
+    return fail(kErrBlas + 7, "gemm", "invalid leading dimension (CUBLAS_STATUS_INVALID_VALUE)");
+  for (int64_t q = 0; q < batch; ++q) {
+    const X* a = A + q * sa;
+    const X* b = B + q * sb;
+    X* c = C + q * sc;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < m; ++i) {
+        double acc = 0;
+        for (int64_t p = 0; p < k; ++p) {
+          const double av = cvt<double>(ta ? a[p + i * lda] : a[i + p * lda]);
+          const double bv = cvt<double>(tb ? b[j + p * ldb] : b[p + j * ldb]);
+          acc += av * bv;
+        }
+        c[i + j * ldc] = to_x<X>(cvt<float>(alpha * acc)) ;
+      }
+  }
+  return 0;
+}
+template <>
+inline int gemm_cm<double>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* A,
+                           int64_t lda, int64_t sa, const double* B, int64_t ldb, int64_t sb, double* C, int64_t ldc,
+                           int64_t sc, int64_t batch, Stream) {
+  if (lda < (ta ? k : m) || ldb < (tb ? n : k) || ldc < m)
+    return fail(kErrBlas + 7, "gemm", "invalid leading dimension (CUBLAS_STATUS_INVALID_VALUE)");
+  for (int64_t q = 0; q < batch; ++q)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < m; ++i) {
+        double acc = 0;
+        for (int64_t p = 0; p < k; ++p)
+          acc += (ta ? A[q * sa + p + i * lda] : A[q * sa + i + p * lda]) *
+                 (tb ? B[q * sb + j + p * ldb] : B[q * sb + p + j * ldb]);
+        C[q * sc + i + j * ldc] = alpha * acc;
+      }
+  return 0;
+}
+inline int begin(Stream) { error_buffer()[0] = 0; return 0; }
+inline int finish() { return 0; }
+
+#else
+// ---- CUDA launch -----------------------------------------------------------------------------
+inline int cuda_fail(cudaError_t e, const char* what) {
+  return fail(kErrCuda + (int)e, what, cudaGetErrorString(e));
+}
+
+template <typename... KA, typename... A>
+inline int launch(const char* name, void (*kern)(KA...), int64_t grid, int block, size_t smem, Stream stream,
+                  A... args) {
+  if (grid <= 0) return 0;
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute((const void*)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return fail(kErrSubstation + 2, name, "a row does not fit in shared memory (rows too long for this GPU)");
+    }
+  }
+  kern<<<dim3((unsigned)std::min<int64_t>(grid, INT_MAX)), dim3((unsigned)block), smem, stream>>>(args...);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(e, name);
+}
+
+// ---- cuBLAS ----------------------------------------------------------------------------------
+inline const char* blas_status_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cuBLAS error";
+  }
+}
+inline int blas_fail(cublasStatus_t s, const char* what) { return fail(kErrBlas + (int)s, what, blas_status_name(s)); }
+
+// One cuBLAS handle per device and host thread, created on first use and kept; bound to the
+// caller's stream before every call.
+inline cublasHandle_t& handle_slot(int device) {
+  static thread_local cublasHandle_t handles[256] = {};
+  return handles[device & 255];
+}
+struct Ctx {
+  cublasHandle_t handle = nullptr;
+  Stream stream = nullptr;
+};
+inline Ctx& ctx() { static thread_local Ctx c; return c; }
+
+inline int begin(Stream stream) {
+  error_buffer()[0] = 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDevice");
+  cublasHandle_t& h = handle_slot(device);
+  if (h == nullptr) {
+    const cublasStatus_t s = cublasCreate(&h);
+    if (s != CUBLAS_STATUS_SUCCESS) { h = nullptr; return blas_fail(s, "cublasCreate"); }
+  }
+  const cublasStatus_t s = cublasSetStream(h, stream);
+  if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, "cublasSetStream");
+  ctx().handle = h;
+  ctx().stream = stream;
+  return 0;
+}
+inline int finish() {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(e, "kernel launch");
+}
+
+template <typename X> struct BlasType;
+template <> struct BlasType<float> {
+  static constexpr cudaDataType_t data = CUDA_R_32F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  typedef float scale;
+};
+template <> struct BlasType<__half> {
+  static constexpr cudaDataType_t data = CUDA_R_16F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  typedef float scale;
+};
+template <> struct BlasType<__nv_bfloat16> {
+  static constexpr cudaDataType_t data = CUDA_R_16BF;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  typedef float scale;
+};
+template <> struct BlasType<double> {
+  static constexpr cudaDataType_t data = CUDA_R_64F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_64F;
+  typedef double scale;
+};
+
+// Column-major GEMM (cuBLAS conventions), beta = 0, float32 accumulation for float32, float16 and
+// bfloat16 (float64: double): cublasGemmEx for one matrix, cublasGemmStridedBatchedEx for several.
+template <typename X>
+inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* A, int64_t lda,
+                   int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
+                   Stream) {
+  if (m <= 0 || n <= 0 || batch <= 0) return 0;
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
+    return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
+  typedef typename BlasType<X>::scale S;
+  const S a = (S)alpha, b = (S)0;
+  const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasStatus_t s;
+  if (batch == 1) {
+    s = cublasGemmEx(ctx().handle, opa, opb, (int)m, (int)n, (int)k, &a, A, BlasType<X>::data, (int)lda, B,
+                     BlasType<X>::data, (int)ldb, &b, C, BlasType<X>::data, (int)ldc, BlasType<X>::compute,
+                     CUBLAS_GEMM_DEFAULT);
+  } else {
+    s = cublasGemmStridedBatchedEx(ctx().handle, opa, opb, (int)m, (int)n, (int)k, &a, A, BlasType<X>::data,
+                                   (int)lda, (long long)sa, B, BlasType<X>::data, (int)ldb, (long long)sb, &b, C,
+                                   BlasType<X>::data, (int)ldc, (long long)sc, (int)batch, BlasType<X>::compute,
+                                   CUBLAS_GEMM_DEFAULT);
+  }
+  return s == CUBLAS_STATUS_SUCCESS ? 0 : blas_fail(s, batch == 1 ? "cublasGemmEx" : "cublasGemmStridedBatchedEx");
+}
+#endif
+
+// Row-major C[m, n] = alpha * op(A)[m, k] op(B)[k, n], as codegen.plan_contraction plans it for
+// CBLAS (lda, ldb, ldc are row-major leading dimensions). Column-major libraries see the transposes,
+// so this computes C^T = op(B)^T op(A)^T: swap the operands and the sizes m and n.
+template <typename X>
+inline int gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* A, int64_t lda,
+                int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
+                Stream stream) {
+  return gemm_cm<X>(tb, ta, n, m, k, alpha, B, ldb, sb, A, lda, sa, C, ldc, sc, batch, stream);
+}
+
+inline int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace sscuda

@@ -1,0 +1,137 @@
+"""substation bench: the harness runs on the tiny config and its JSON is well formed (no speed targets).
+
+The first test includes torch.compile (inductor, cold cache): about 35-55 s on a 2-core machine.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from substation import bench
+from substation.cli import main
+from substation.config import load_config
+
+PASSES = ("forward", "backward", "forward_backward")
+TOP_KEYS = {"schema", "config", "batch_size", "seq_len", "dtype", "layout", "mode", "dropout", "mask", "threads",
+            "machine", "repeats", "warmup", "implementations", "median_seconds", "speedup_vs_eager",
+            "speedup_vs_compile", "max_rel_error_vs_eager"}
+IMPL_KEYS = {"label", "compile_seconds", "compile_method", "threads", "seconds", "saved_for_backward_bytes",
+             "saved_for_backward_storages"}
+STAT_KEYS = {"median", "min", "max", "q1", "q3", "samples"}
+MACHINE_KEYS = {"cpu", "isa", "cores", "threads", "load_average", "load_average_after", "python", "torch",
+                "transformers", "platform", "omp_wait_policy"}
+
+
+def check_bench_json(r, impls, repeats, b, j):
+    assert set(r) == TOP_KEYS
+    assert r["schema"] == "substation-bench/1" and r["mode"] == "train"
+    assert (r["batch_size"], r["seq_len"]) == (b, j) and r["config"]["batch_size"] == b
+    assert r["threads"] == torch.get_num_threads() == r["machine"]["threads"]
+    assert set(r["machine"]) == MACHINE_KEYS and r["machine"]["cpu"]
+    assert list(r["implementations"]) == impls and list(r["median_seconds"]) == impls
+    for name, v in r["implementations"].items():
+        assert IMPL_KEYS <= set(v), name
+        for p in PASSES:
+            s = v["seconds"][p]
+            assert set(s) == STAT_KEYS and len(s["samples"]) == repeats
+            assert 0 < s["min"] <= s["q1"] <= s["median"] <= s["q3"] <= s["max"]
+            assert s["median"] == r["median_seconds"][name][p]
+        for i in range(repeats):  # forward+backward is the same step's forward plus its backward
+            assert math.isclose(v["seconds"]["forward_backward"]["samples"][i],
+                                v["seconds"]["forward"]["samples"][i] + v["seconds"]["backward"]["samples"][i])
+        for key in ("saved_for_backward_bytes", "saved_for_backward_storages"):
+            assert type(v[key]) is int and v[key] > 0, (name, key)
+        assert v["threads"] == r["threads"]
+    med = r["median_seconds"]
+    assert r["speedup_vs_eager"] == med["eager"]["forward_backward"] / med["substation"]["forward_backward"]
+    if "compile" in impls:
+        assert r["speedup_vs_compile"] == med["compile"]["forward_backward"] / med["substation"]["forward_backward"]
+    else:
+        assert r["speedup_vs_compile"] is None
+    sub = r["implementations"]["substation"]
+    assert sub["compile_seconds"] > 0 and sub["build_seconds"]["forward"] > 0  # a cold build cache
+    assert r["implementations"]["eager"]["compile_seconds"] is None
+    assert r["max_rel_error_vs_eager"] < 1e-10  # identical weights (float64, eval mode)
+
+
+def test_bench_cli_with_torch_compile(tmp_path, capsys):
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["bench", "tiny", "--repeats", "3", "--warmup", "1", "--json", str(js), "--plot", str(png)]) == 0
+    r = json.loads(js.read_text())
+    check_bench_json(r, ["substation", "eager", "compile"], 3, 2, 7)
+    assert r["implementations"]["eager"]["label"].startswith("transformers BertLayer")
+    comp = r["implementations"]["compile"]
+    assert comp["backend"] == "inductor" and comp["compile_seconds"] > 0
+    assert math.isclose(comp["compile_seconds"], sum(comp["first_call_seconds"].values()))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "speedup_vs_eager" in out and "torch.compile" in out and "threads: " in out
+    assert r["machine"]["cpu"] in out
+
+
+def test_bench_no_compile_overrides_and_reference_eager():
+    cfg = load_config("tiny").replace(layer_norm="pre")  # no BertLayer equivalent: the reference layer
+    r = bench.run_bench(cfg, repeats=2, warmup=1, batch_size=3, seq_len=5, include_compile=False)
+    check_bench_json(r, ["substation", "eager"], 2, 3, 5)
+    assert r["implementations"]["eager"]["label"] == "substation.reference.ReferenceEncoderLayer"
+    assert r["config"]["name"] == "tiny-b3-l5" and r["config"]["layer_norm"] == "pre"
+    assert "rows 1..2 padded from position 3" in r["mask"]
+    text = bench.format_bench(r)
+    assert "torch.compile skipped" in text
+
+
+def test_bench_kernels(tmp_path, capsys):
+    js = tmp_path / "k.json"
+    assert main(["bench", "--kernels", "tiny", "--repeats", "2", "--warmup", "1", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    assert r["copy_bandwidth"] > 0 and r["threads"] == torch.get_num_threads()
+    rows = r["kernels"]
+    assert {k["pass"] for k in rows} == {"forward", "backward"}
+    assert all(k["class"] in ("SN", "EW") for k in rows)
+    for k in rows:
+        assert type(k["bytes"]) is int and k["bytes"] > 0 and k["seconds"] > 0
+        assert math.isclose(k["bandwidth"], k["bytes"] / k["seconds"])
+        assert math.isclose(k["fraction_of_copy"], k["bandwidth"] / r["copy_bandwidth"])
+    for phase in ("forward", "backward"):
+        t = r["totals"][phase]
+        assert t["kernels"] == sum(k["pass"] == phase for k in rows)
+        assert t["bytes"] == sum(k["bytes"] for k in rows if k["pass"] == phase)
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "copy bandwidth" in out
+
+
+def test_saved_tensor_bytes_counts_unique_storages_only():
+    w = torch.nn.Parameter(torch.randn(100, dtype=torch.float64))
+    x = torch.randn(100, dtype=torch.float64, requires_grad=True)
+
+    def fwd():
+        e = torch.exp(x * w)          # mul saves x and w (excluded); exp saves its output e (800 bytes)
+        return (e * e[:50].repeat(2)).sum()  # mul saves e (again) and the repeat's result (800 bytes)
+    y, nbytes, count = bench.saved_tensor_bytes(fwd, exclude=[w, x])
+    assert (nbytes, count) == (1600, 2)
+    y.backward()
+
+
+def test_interleaved_times_rotates_and_validates():
+    order = []
+
+    def cand(name):
+        p = torch.nn.Parameter(torch.ones(3))
+
+        def call(t):
+            order.append(name)
+            return t * p
+        return bench.Candidate(name, call, [p])
+    x, dy = torch.ones(3), torch.ones(3)
+    out = bench.interleaved_times([cand("a"), cand("b")], x, dy, repeats=2, warmup=1)
+    assert order == ["a", "b", "a", "b", "b", "a"]
+    assert {len(v) for r in out.values() for v in r.values()} == {2}
+    with pytest.raises(ValueError):
+        bench.interleaved_times([cand("a")], x, dy, repeats=0)
+
+
+def test_bench_cli_errors(capsys):
+    assert main(["bench", "tiny", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
+    assert main(["bench", "no-such-config"]) == 2

@@ -1,0 +1,393 @@
+"""Target cuda without a GPU: config rules, toolchain errors, code generation, the CPU emulation of
+the generated code (numerics against the fp64 reference in every dtype, dropout masks identical to
+the CPU build, autocast), and nvcc compilation and linking of the tiny and BERT-large layers into
+libraries that load with ctypes. Running the CUDA code on a GPU: scripts/gpu_check.py."""
+import ctypes
+import functools
+import os
+import re
+import stat
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import NO_DROPOUT, make_layer, reference_for
+from substation import build_cuda
+from substation.build import BuildError, ToolchainError
+from substation.build_cuda import build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags
+from substation.codegen_cuda import dropout_keep_mask, generate_cuda, stat_tensors, tensor_dtypes
+from substation.config import ConfigError, EncoderConfig, load_config
+from substation.pipeline import compile_graphs, compile_layer
+from substation.runtime import CompiledGraph, CompiledLayer, EncoderLayer
+
+TINY = load_config("tiny").replace(target="cuda")
+HEAVY_DROPOUT = {"attention": 0.3, "hidden": 0.2, "activation": 0.25}
+#: Max relative error against the fp64 reference (forward output and every gradient).
+TOLERANCE = {"float64": 1e-12, "float32": 2e-5, "float16": 6e-3, "bfloat16": 4e-2}
+
+
+def _nvcc_skip_reason() -> str | None:
+    try:
+        cuda_toolchain().require_cublas()
+    except ToolchainError as e:
+        return f"no CUDA build toolchain here: {e}"
+    return None
+
+
+def _emulation_skip_reason() -> str | None:
+    try:
+        emulation_toolchain()
+    except ToolchainError as e:
+        return f"no CUDA headers for the emulation: {e}"
+    return None
+
+
+needs_nvcc = pytest.mark.skipif(_nvcc_skip_reason() is not None, reason=str(_nvcc_skip_reason()))
+needs_emulation = pytest.mark.skipif(_emulation_skip_reason() is not None, reason=str(_emulation_skip_reason()))
+
+
+# -- config and toolchain --------------------------------------------------------------------------
+def test_config_half_dtypes_need_target_cuda(tmp_path):
+    for dt in ("float16", "bfloat16"):
+        with pytest.raises(ConfigError, match=f"dtype: must be one of float32, float64 for target cpu "
+                                              rf"\(float16 and bfloat16 need target: cuda\); got '{dt}'"):
+            load_config("tiny").replace(dtype=dt)
+        assert TINY.replace(dtype=dt).dtype == dt
+    with pytest.raises(ConfigError, match="dtype: must be one of float32, float64, float16, bfloat16 for target cuda"):
+        TINY.replace(dtype="int8")
+    with pytest.raises(ConfigError, match="target: must be one of cpu, cuda"):
+        TINY.replace(target="rocm")
+    for bad in ("90", "sm90", "compute_90", "sm_9", 90):
+        with pytest.raises(ConfigError, match="cuda_arch: must look like sm_90"):
+            TINY.replace(cuda_arch=bad)
+    assert TINY.cuda_arch == "sm_90" and TINY.replace(cuda_arch="sm_90a").cuda_arch == "sm_90a"
+    f = tmp_path / "half.yaml"
+    f.write_text("hidden_size: 64\nnum_heads: 4\ndtype: bfloat16\ntarget: cuda\ncuda_arch: sm_80\n")
+    c = load_config(f)
+    assert (c.dtype, c.target, c.cuda_arch) == ("bfloat16", "cuda", "sm_80")
+    assert EncoderConfig.from_dict(c.to_dict()) == c
+
+
+def test_nvcc_flags_name_the_architecture():
+    flags = nvcc_flags("sm_90")
+    assert "-gencode=arch=compute_90,code=sm_90" in flags and "-gencode=arch=compute_90,code=compute_90" in flags
+    assert "-gencode=arch=compute_80,code=sm_80" in nvcc_flags("sm_80")
+    with pytest.raises(ValueError, match="cuda_arch: must look like sm_90"):
+        nvcc_flags("ampere")
+
+
+@pytest.fixture
+def fresh_toolchain(monkeypatch, tmp_path):
+    """Forget the detected toolchain before and after the test; builds go to a private cache."""
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
+    cuda_toolchain.cache_clear()
+    yield tmp_path
+    cuda_toolchain.cache_clear()
+
+
+def _fake_nvcc(folder, release: str):
+    exe = folder / "nvcc"
+    exe.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return exe
+
+
+def test_toolchain_errors_are_clear(fresh_toolchain, monkeypatch):
+    tmp = fresh_toolchain
+    monkeypatch.setenv("SUBSTATION_NVCC", str(tmp / "missing-nvcc"))
+    with pytest.raises(ToolchainError, match="SUBSTATION_NVCC=.* is not an executable"):
+        cuda_toolchain()
+    cuda_toolchain.cache_clear()
+    monkeypatch.setenv("SUBSTATION_NVCC", str(_fake_nvcc(tmp, "11.8")))
+    with pytest.raises(ToolchainError, match="is CUDA 11.8; Substation needs CUDA 12 or newer"):
+        cuda_toolchain()
+    cuda_toolchain.cache_clear()
+    monkeypatch.setenv("SUBSTATION_NVCC", str(_fake_nvcc(tmp, "12.4")))
+    monkeypatch.setattr(build_cuda, "_cublas_candidates", lambda *a: [])
+    tc = cuda_toolchain()
+    assert tc.cuda_major == 12 and tc.cublas_lib is None
+    with pytest.raises(ToolchainError, match=r"cuBLAS not found: .*pip install \"nvidia-cublas-cu12\""):
+        build_cuda.build_cuda_library("// nothing", "t")
+    assert not os.path.exists(tmp / "cache") or [p for p in os.listdir(tmp / "cache") if not p.startswith(".")] == []
+    cuda_toolchain.cache_clear()
+    monkeypatch.delenv("SUBSTATION_NVCC")
+    monkeypatch.setenv("PATH", str(tmp / "empty"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp / "nowhere"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(build_cuda, "DEFAULT_CUDA_ROOTS", (str(tmp / "nowhere-either"),))
+    with pytest.raises(ToolchainError, match=r"nvcc \(the CUDA compiler, CUDA 12 or newer\) not found"):
+        cuda_toolchain()
+
+
+# -- code generation -------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _graphs(config, fuse=True):
+    return compile_graphs(config, fuse_ops=fuse)
+
+
+def test_layer_norm_statistics_are_float32_for_half_layers():
+    fwd, bwd = _graphs(TINY.replace(dtype="float16"))
+    stats = {"layer_norm1_mean", "layer_norm1_rstd", "layer_norm2_mean", "layer_norm2_rstd"}
+    assert stat_tensors(fwd) == stats and stat_tensors(bwd) == stats
+    for g in (fwd, bwd):
+        dts = tensor_dtypes(g)
+        assert {n for n, d in dts.items() if d == "float32"} == stats
+        assert {d for n, d in dts.items() if n not in stats} == {"float16"}
+    assert set(tensor_dtypes(_graphs(TINY.replace(dtype="float64"))[0]).values()) == {"float64"}
+
+
+@pytest.mark.parametrize("name", ["tiny", "bert-large-b8-l512"])
+def test_generated_source_structure(name):
+    cfg = load_config(name).replace(target="cuda", dtype="float16")
+    for g in _graphs(cfg):
+        src = generate_cuda(g)
+        ops = g.operators()
+        n_tc = sum(op.op_class == "TC" for op in ops)
+        assert src.count("template <int V, bool WARP>") == len(ops) - n_tc  # one row kernel per EW/SN op
+        assert len(re.findall(r"^  // \S+ \[TC\] contraction", src, re.M)) == n_tc
+        assert "typedef __half store_t;" in src and "typedef float comp_t;" in src
+        assert re.search(r"comp_t\* __restrict__ layer_norm\d_(mean|rstd)", src)
+        assert "cublas" not in src  # GEMMs go through the header's cuBLAS wrapper
+        if name != "tiny":  # I, U, K: 16-byte vectors are possible in every row kernel
+            assert src.count("const bool vec_ = false;") == 0
+    fwd_src = generate_cuda(_graphs(cfg)[0])
+    # qkv: one GEMM over the merged B*J rows; scores: the larger of B and H is the strided batch.
+    assert "sscuda::gemm<store_t>(false, true, B*J, 3*H*P, I, 1.0, X + (0)" in fwd_src
+    assert "if (gs_[q_] > gs_[best_]) best_ = q_;" in fwd_src
+    header = open(os.path.join(os.path.dirname(build_cuda.__file__), "csrc", "substation_cuda.cuh")).read()
+    for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync"):
+        assert needle in header
+
+
+def test_numpy_dropout_mask_matches_the_cpu_build():
+    layer = make_layer(load_config("tiny").replace(dropout=HEAVY_DROPOUT))
+    b, j, h = 4, 7, layer.config.num_heads
+    given = {"X": torch.randn(b, j, 16, dtype=torch.float64), "mask": torch.zeros(b, j, dtype=torch.float64),
+             **{n: getattr(layer, n).detach() for n in layer.parameter_names}}
+    seed = 0x0123456789ABCDEF
+    out = layer.compiled.forward(given, b, j, seed=seed, training=True)
+    keep = dropout_keep_mask(seed, 1, np.arange(b * h * j * j).reshape(b, h, j, j), HEAVY_DROPOUT["attention"])
+    assert np.array_equal(out["A_drop"].numpy() != 0, keep & (out["A"].numpy() != 0))
+
+
+# -- the CPU emulation of the generated code -------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _emulated(config, fuse=True) -> CompiledLayer:
+    fwd, bwd = _graphs(config, fuse)
+    sources = {"forward": generate_cuda(fwd), "backward": generate_cuda(bwd)}
+    built = build_cuda_libraries(sources, emulate=True)
+    return CompiledLayer(config, CompiledGraph(fwd, built["forward"].path), CompiledGraph(bwd, built["backward"].path),
+                         {k: v.seconds for k, v in built.items()}, sources)
+
+
+def emulated_layer(config, fuse=True, seed=0) -> EncoderLayer:
+    torch.manual_seed(seed)
+    layer = EncoderLayer(_emulated(config, fuse))
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if name.startswith("norm") and "weight" in name else 0.0))
+    return layer
+
+
+def errors_vs_reference(layer, b=2, j=7, seed=1) -> dict:
+    """Max relative error of the output, dX and every parameter gradient against the fp64 reference."""
+    ref = reference_for(layer)
+    layer.zero_grad()
+    torch.manual_seed(seed)
+    x = torch.randn(b, j, layer.config.hidden_size, dtype=torch.float64)
+    mask = None
+    if layer.config.mask != "none":
+        mask = torch.zeros(b, j, dtype=torch.float64)
+        mask[-1, j - 2:] = float("-inf")
+    xl = x.to(layer.torch_dtype).detach().requires_grad_()
+    y = layer(xl, None if mask is None else mask.to(layer.torch_dtype))
+    dy = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(dy.to(y.dtype))
+    xr = x.clone().requires_grad_()
+    yr = ref(xr, mask)
+    yr.backward(dy)
+
+    def rel(a, r):
+        return float((a.double() - r).abs().max() / r.abs().max())
+    errs = {"Y": rel(y.detach(), yr.detach()), "dX": rel(xl.grad, xr.grad)}
+    refp = dict(ref.named_parameters())
+    errs.update({f"d{n}": rel(p.grad, refp[n].grad) for n, p in layer.named_parameters()})
+    return errs
+
+
+@needs_emulation
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_emulated_cuda_code_matches_reference(dtype):
+    """J = 7: scalar rows of keys; J = 8: 16-byte vectors in the attention kernels too (same build)."""
+    layer = emulated_layer(TINY.replace(dtype=dtype, dropout=NO_DROPOUT))
+    assert layer.compiled.forward.target == "cuda-emulated"
+    assert layer.compiled.forward.dtypes["layer_norm1_mean"] == (torch.float64 if dtype == "float64" else torch.float32)
+    for j in (7, 8):
+        errs = errors_vs_reference(layer, j=j)
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < TOLERANCE[dtype], (j, worst, errs[worst])
+
+
+@needs_emulation
+@pytest.mark.parametrize("change", [dict(layer_norm="pre", mask="causal", activation="gelu_tanh"),
+                                    dict(mask="none", activation="relu"), "unfused"],
+                         ids=["pre-causal-gelu_tanh", "nomask-relu", "unfused"])
+def test_emulated_variants(change):
+    cfg = TINY.replace(dtype="float32", dropout=NO_DROPOUT)
+    if change == "unfused":
+        layer = emulated_layer(cfg, fuse=False)
+    else:
+        layer = emulated_layer(cfg.replace(**change))
+    errs = errors_vs_reference(layer, j=8)
+    assert max(errs.values()) < TOLERANCE["float32"], errs
+
+
+@needs_emulation
+def test_emulated_dropout_equals_the_cpu_build():
+    """Same seed, same parameters: the CUDA code keeps exactly the elements the CPU build keeps, so
+    outputs and gradients agree in training mode."""
+    cfg = load_config("tiny").replace(dtype="float32", dropout=HEAVY_DROPOUT)
+    cpu = make_layer(cfg)
+    emu = emulated_layer(cfg.replace(target="cuda"))
+    emu.load_state_dict(cpu.state_dict())
+    b, j = 3, 8
+    given = {"X": torch.randn(b, j, 16), "mask": torch.zeros(b, j),
+             **{n: getattr(cpu, n).detach() for n in cpu.parameter_names}}
+    out_c = cpu.compiled.forward(given, b, j, seed=77, training=True)
+    out_e = emu.compiled.forward(given, b, j, seed=77, training=True)
+    masked = [n for n in ("A_drop", "F1_drop") if n in out_c]
+    assert masked
+    for name in masked:
+        assert torch.equal(out_c[name] == 0, out_e[name] == 0), name
+    assert (out_c["Y"] - out_e["Y"]).abs().max() < 1e-5
+    cpu.train(), emu.train()
+    x = given["X"]
+    grads = []
+    for layer in (cpu, emu):
+        xg = x.clone().requires_grad_()
+        layer.zero_grad()
+        torch.manual_seed(3)
+        layer(xg).backward(torch.ones(b, j, 16))
+        grads.append([xg.grad] + [p.grad for p in layer.parameters()])
+    for gc, ge in zip(*grads):
+        assert (gc - ge).abs().max() <= 1e-4 * gc.abs().max()
+
+
+@needs_emulation
+def test_half_layer_under_autocast_takes_float32():
+    """A bfloat16 layer with float32 (master) parameters runs under autocast: inputs and parameters
+    are cast, gradients reach the float32 parameters; without autocast the dtypes must match."""
+    layer = emulated_layer(TINY.replace(dtype="bfloat16", dropout=NO_DROPOUT)).float()
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    with pytest.raises(TypeError, match="hidden_states has dtype torch.float32 but the layer was compiled for torch.bfloat16"):
+        layer(x)
+    with pytest.raises(TypeError, match="parameter in_proj_weight is torch.float32"):
+        layer(x.detach().bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0
+               for p in layer.parameters())
+    ref = reference_for(layer)
+    with torch.no_grad():
+        yr = ref(x.double().detach())
+    assert float((y.detach().double() - yr).abs().max() / yr.abs().max()) < TOLERANCE["bfloat16"]
+
+
+# -- nvcc builds -----------------------------------------------------------------------------------
+NVCC_CASES = [("tiny", "float32"), ("tiny", "float16"), ("tiny", "bfloat16"), ("bert-large-b8-l512", "float16")]
+
+
+@pytest.fixture(scope="module")
+def nvcc_layers(request):
+    """Compile (through the pipeline and the build cache) the tiny layer in every float dtype and
+    BERT-large in float16, forward and backward; report the compile times."""
+    reason = _nvcc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    layers, lines = {}, []
+    t0 = time.perf_counter()
+    for name, dtype in NVCC_CASES:
+        compiled = compile_layer(load_config(name).replace(target="cuda", dtype=dtype))
+        layers[name, dtype] = compiled
+        lines.append(f"{name} {dtype}: " + ", ".join(
+            f"{k} {v:.1f} s" if v else f"{k} cached" for k, v in compiled.build_seconds.items()))
+    tc = cuda_toolchain()
+    text = (f"nvcc {tc.nvcc_version} ({TINY.cuda_arch}, cuBLAS {tc.cublas_version}) compile times: "
+            + "; ".join(lines) + f"; wall {time.perf_counter() - t0:.1f} s")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("")
+            reporter.write_line(text)
+    return layers
+
+
+@needs_nvcc
+def test_nvcc_libraries_link_and_load_without_gpu(nvcc_layers):
+    tc = cuda_toolchain()
+    for (name, dtype), compiled in nvcc_layers.items():
+        for g in (compiled.forward, compiled.backward):
+            assert g.target == "cuda" and g.device_type == "cuda"  # loaded by ctypes, signature checked
+            needed = subprocess.run(["readelf", "-d", g.path], capture_output=True, text=True).stdout
+            assert f"libcublas.so.{os.path.basename(tc.cublas_lib).split('.so.')[1]}" in needed
+            assert "libcudart.so" in needed
+            manifest = open(os.path.join(os.path.dirname(g.path), "manifest.json")).read()
+            assert "code=sm_90" in manifest
+            ws = g.lib.substation_workspace_bytes
+            small, large = (ws((ctypes.c_int64 * 3)(b, j, j)) for b, j in ((1, 8), (8, 512)))
+            assert 0 < small < large
+        assert compiled.forward.dtypes["layer_norm1_rstd"] == torch.float32
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_running_without_gpu_is_a_clear_error(nvcc_layers):
+    g = nvcc_layers["tiny", "float16"].forward
+    sizes = (ctypes.c_int64 * 3)(2, 7, 7)
+    ptrs = (ctypes.c_void_p * len(g.args))()
+    rc = g._run(ptrs, sizes, None, 0, 0, None)  # fails in cudaGetDevice, before touching a pointer
+    assert rc >= 200000
+    g.lib.substation_last_error.restype = ctypes.c_char_p
+    assert g.lib.substation_last_error().decode().startswith("cudaGetDevice: ")
+
+
+@needs_nvcc
+def test_cuda_layer_checks_devices(nvcc_layers):
+    layer = EncoderLayer(nvcc_layers["tiny", "float16"])
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert {p.device.type for p in layer.parameters()} == {expected}
+    assert all(p.dtype == torch.float16 for p in layer.parameters())
+    with pytest.raises(ValueError, match=r"this layer was compiled for CUDA; hidden_states is on cpu \(move the "
+                                         r"layer and its inputs with \.cuda\(\)\)"):
+        layer(torch.randn(2, 7, 16, dtype=torch.float16))
+
+
+@needs_nvcc
+def test_cli_compile_target_cuda(nvcc_layers, tmp_path, capsys):
+    from substation.cli import main
+    yaml_text = open(os.path.join(os.path.dirname(os.path.dirname(build_cuda.__file__)), "configs", "tiny.yaml")).read()
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml_text.replace("dtype: float64", "dtype: float16").replace("target: cpu", "target: cuda"))
+    out = tmp_path / "out"
+    assert main(["compile", str(cfg), "--target", "cuda", "--cuda-arch", "sm_90", "--out", str(out),
+                 "--repeats", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "target=cuda (sm_90)" in text and "build: forward" in text
+    assert sorted(os.listdir(out)) == ["backward.cu", "backward.sdfg", "backward.so", "forward.cu", "forward.sdfg",
+                                       "forward.so", "report.json"]
+
+
+@needs_nvcc
+def test_nvcc_rejects_broken_source_without_caching(fresh_toolchain):
+    with pytest.raises(BuildError, match="compiling broken failed"):
+        build_cuda.build_cuda_library('#include "substation_cuda.cuh"\nthis is not CUDA', "broken")
+    cache = fresh_toolchain / "cache"
+    assert [p for p in os.listdir(cache) if not p.startswith(".")] == []
