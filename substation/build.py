@@ -63,12 +63,11 @@ class Toolchain:
                 + [f"-l:{os.path.basename(p)}" for p in self.blas_libs] + ["-lm", "-ldl", "-lpthread"])
 
 
-@functools.lru_cache(maxsize=None)
-def toolchain() -> Toolchain:
-    """Find the compiler and MKL (installed from PyPI by the project's set-up into ``sys.prefix``).
+def find_cxx() -> tuple[str, str]:
+    """The C++ compiler (``$CXX`` or ``g++``) and the first line of its ``--version``.
 
     Raises:
-        ToolchainError: no C++ compiler, or MKL's headers or libraries are missing.
+        ToolchainError: not on PATH, or it prints no version.
     """
     cxx = os.environ.get("CXX", "g++")
     exe = shutil.which(cxx)
@@ -77,7 +76,17 @@ def toolchain() -> Toolchain:
     lines = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.splitlines()
     if not lines:
         raise ToolchainError(f"C++ compiler {exe!r} printed no version (is $CXX a C++ compiler?)")
-    version = lines[0]
+    return exe, lines[0]
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain() -> Toolchain:
+    """Find the compiler and MKL (installed from PyPI by the project's set-up into ``sys.prefix``).
+
+    Raises:
+        ToolchainError: no C++ compiler, or MKL's headers or libraries are missing.
+    """
+    exe, version = find_cxx()
     prefixes = [sys.prefix, os.environ.get("MKLROOT", "")]
     include = next((os.path.join(p, "include") for p in prefixes
                     if p and os.path.exists(os.path.join(p, "include", "mkl_cblas.h"))), None)
@@ -192,30 +201,41 @@ def build_library(source: str, label: str = "lib") -> BuildResult:
         ToolchainError: compiler or BLAS missing.
         BuildError: the compiler failed (nothing is written to the cache).
     """
-    key = build_key(source)
+    tc = toolchain()
+    return cached_build(build_key(source), label, source, "source.cpp",
+                        lambda src, lib: [tc.cxx, *FLAGS, f"-I{_HEADER_DIR}", f"-I{tc.blas_include}", src, "-o",
+                                          lib, *tc.link_args()])
+
+
+def cached_build(key: str, label: str, source: str, filename: str, command, manifest: dict | None = None) -> BuildResult:
+    """The cache entry ``key``: reused when valid, else built from ``source`` with ``command(src, lib)``
+    (the compiler's argv) in a private folder and published with one rename.
+
+    Raises:
+        BuildError: the compiler failed or wrote no library (nothing is written to the cache).
+    """
     root = cache_dir()
     entry = os.path.join(root, key)
     if os.path.isdir(entry):
         if _valid(entry):
             return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
         _discard(entry)
-    tc = toolchain()
     _remove_stale_temporaries(root)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
     try:
-        src = os.path.join(tmp, "source.cpp")
+        src = os.path.join(tmp, filename)
         with open(src, "w") as f:
             f.write(source)
         lib = os.path.join(tmp, "lib.so")
-        cmd = [tc.cxx, *FLAGS, f"-I{_HEADER_DIR}", f"-I{tc.blas_include}", src, "-o", lib, *tc.link_args()]
+        cmd = command(src, lib)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise BuildError(f"compiling {label} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        if proc.returncode != 0 or not os.path.exists(lib):
+            raise BuildError(f"compiling {label} failed ({' '.join(cmd)}):\n{(proc.stderr or proc.stdout)[-6000:]}")
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump({"key": key, "label": label, "sha256": _sha256(lib), "command": cmd,
-                       "compile_seconds": seconds}, f, indent=1)
+                       "compile_seconds": seconds, **(manifest or {})}, f, indent=1)
         try:
             os.rename(tmp, entry)
         except OSError:

@@ -27,17 +27,14 @@ import dataclasses
 import functools
 import glob
 import hashlib
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .build import BuildError, BuildResult, ToolchainError, _discard, _sha256, _valid, cache_dir
+from .build import BuildResult, ToolchainError, cached_build, find_cxx
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
            "emulation_toolchain", "arch_number"]
@@ -219,10 +216,7 @@ def emulation_toolchain() -> tuple[str, str, tuple[str, ...]]:
     Raises:
         ToolchainError: no C++ compiler, or no CUDA headers (``cuda_fp16.h``) found.
     """
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        raise ToolchainError("C++ compiler not found on PATH (set $CXX or install g++)")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    cxx, version = find_cxx()
     incs: list[str] = []
     try:
         incs = list(cuda_toolchain().include_dirs)
@@ -271,7 +265,6 @@ def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emu
         ValueError: a malformed ``arch``.
     """
     arch_number(arch)
-    root = cache_dir()
     probe_cmd, ident = _command("source.cu", "lib.so", arch, emulate)
     from . import __version__
     h = hashlib.sha256()
@@ -279,36 +272,8 @@ def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emu
         h.update(part.encode())
         h.update(b"\0")
     key = ("cuda-emu-" if emulate else "cuda-") + h.hexdigest()[:32]
-    entry = os.path.join(root, key)
-    if os.path.isdir(entry):
-        if _valid(entry):
-            return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
-        _discard(entry)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
-    try:
-        src = os.path.join(tmp, "source.cu")
-        with open(src, "w") as f:
-            f.write(source)
-        lib = os.path.join(tmp, "lib.so")
-        cmd, _ = _command(src, lib, arch, emulate)
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        if proc.returncode != 0 or not os.path.exists(lib):
-            raise BuildError(f"compiling {label} failed ({' '.join(cmd)}):\n{(proc.stderr or proc.stdout)[-6000:]}")
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump({"key": key, "label": label, "sha256": _sha256(lib), "command": cmd,
-                       "compile_seconds": seconds, "arch": arch, "emulate": emulate}, f, indent=1)
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not _valid(entry):  # lost the race to a broken entry: replace it
-                _discard(entry)
-                os.rename(tmp, entry)
-        return BuildResult(os.path.join(entry, "lib.so"), False, seconds)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+    return cached_build(key, label, source, "source.cu", lambda src, lib: _command(src, lib, arch, emulate)[0],
+                        {"arch": arch, "emulate": emulate})
 
 
 def build_cuda_libraries(sources: dict[str, str], arch: str = "sm_90", emulate: bool = False,

@@ -18,7 +18,6 @@ The generated library exports::
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import sympy
 
@@ -257,6 +256,29 @@ class _Emitter:
         self.indent -= 1
         self.w("}")
 
+def row_kernel_space(graph: LayerGraph, members: list[dict], vector: str | None = None):
+    """(F, N, R) of a row kernel: its iteration letters, the inner letters (ordered, innermost last)
+    and the row letters (outermost first), following the layout of its first full-width tensor in
+    memory. Row and column reductions fix N; element-wise kernels take the trailing run of static
+    letters; ``vector`` (a layout plan's vectorized letter) is moved innermost."""
+    from .passes.fusion import op_space
+    spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
+    full = spaces[0][0]
+    inner = next((n for _, n in spaces if n is not None), None)
+    refs = [ta for m in members for ta in list(m["inputs"].values()) + list(m["outputs"].values())]
+    main, main_access = next((t, a) for t, a in refs
+                             if t in graph.tensors and {c for c in a if not c.isdigit()} == full)
+    order = _order(_resolve(graph, main, main_access), sorted(full))
+    if vector in order and (inner is None or vector in inner):
+        order = [c for c in order if c != vector] + [vector]
+    if inner is None:
+        k = len(order) - 1
+        while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
+            k -= 1
+        inner = frozenset(order[k:])
+    return full, [c for c in order if c in inner], [c for c in order if c not in inner]
+
+
 class _RowKernel:
     """One row kernel: EW and SN members over a shared iteration space F = rows R x inner letters N.
 
@@ -267,27 +289,10 @@ class _RowKernel:
     """
 
     def __init__(self, em: "_Emitter", members: list[dict], vector: str | None = None):
-        from .passes.fusion import COLUMN_REDUCTIONS, op_space
+        from .passes.fusion import COLUMN_REDUCTIONS
         self.em, self.graph, self.T = em, em.graph, em.T
         self.members = members
-        spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
-        full = spaces[0][0]
-        inner = next((n for _, n in spaces if n is not None), None)
-        main = next(t for m in members for t, a in list(m["inputs"].values()) + list(m["outputs"].values())
-                    if t in self.graph.tensors and set(c for c in a if not c.isdigit()) == full)
-        main_access = next(a for m in members for t, a in list(m["inputs"].values()) + list(m["outputs"].values())
-                           if t == main)
-        order = _order(_resolve(self.graph, main, main_access), sorted(full))
-        if vector in order and (inner is None or vector in inner):  # a layout plan's vectorized letter
-            order = [c for c in order if c != vector] + [vector]
-        if inner is None:  # element-wise only: the trailing run of static letters (at least one)
-            k = len(order) - 1
-            while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
-                k -= 1
-            inner = frozenset(order[k:])
-        self.N = [c for c in order if c in inner]
-        self.R = [c for c in order if c not in inner]
-        self.full = full
+        self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
         self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
         # Which produced tensors later members read (or softmax needs as scratch): buffered.
         self.buffers, self.scalars = [], []
@@ -295,7 +300,7 @@ class _RowKernel:
         for i, m in enumerate(members):
             for t, a in m["inputs"].values():
                 if t in seen and t not in self.buffers + self.scalars:
-                    (self.buffers if set(a) - set("0123456789") == full else self.scalars).append(t)
+                    (self.buffers if set(a) - set("0123456789") == self.full else self.scalars).append(t)
             for t, a in m["outputs"].values():
                 seen[t] = i
                 if m["kind"] == "softmax" and t not in self.buffers:

@@ -45,7 +45,7 @@ import re
 
 import sympy
 
-from .codegen import LayoutError, _cxx, _order, _resolve, plan_contraction
+from .codegen import LayoutError, _cxx, _resolve, plan_contraction, row_kernel_space
 from .graph import STATIC_DIMENSIONS, LayerGraph, Operator
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "dropout_keep_mask", "STORAGE_TYPES", "COMPUTE_DTYPES",
@@ -145,24 +145,9 @@ class _RowKernel:
     """One CUDA row kernel for a list of member records (see the module docstring)."""
 
     def __init__(self, gen: "_Generator", members: list[dict], name: str, vector: str | None = None):
-        from .passes.fusion import COLUMN_REDUCTIONS, op_space
+        from .passes.fusion import COLUMN_REDUCTIONS
         self.gen, self.graph, self.name, self.members = gen, gen.graph, name, members
-        spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
-        full = spaces[0][0]
-        inner = next((n for _, n in spaces if n is not None), None)
-        refs = [ta for m in members for ta in list(m["inputs"].values()) + list(m["outputs"].values())]
-        main, main_access = next((t, a) for t, a in refs if t in self.graph.tensors and _letters(a) == full)
-        order = _order(_resolve(self.graph, main, main_access), sorted(full))
-        if vector in order and (inner is None or vector in inner):  # a layout plan's vectorized letter
-            order = [c for c in order if c != vector] + [vector]
-        if inner is None:  # element-wise only: the trailing run of static letters (at least one)
-            k = len(order) - 1
-            while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
-                k -= 1
-            inner = frozenset(order[k:])
-        self.full = full
-        self.N = [c for c in order if c in inner]
-        self.R = [c for c in order if c not in inner]
+        self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
         self.last = self.N[-1]
         self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
         self.col_outputs = [(t, a) for m in self.column for _, (t, a) in sorted(m["outputs"].items())]

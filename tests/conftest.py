@@ -37,6 +37,28 @@ def reference_for(layer, dtype=torch.float64) -> ReferenceEncoderLayer:
     return ref
 
 
+def rel(ours, ref) -> float:
+    """max |ours - ref| / max |ref|, in float64."""
+    ref = ref.detach().double()
+    return float((ours.detach().double() - ref).abs().max() / ref.abs().max())
+
+
+def run(module, x, g, **mask) -> dict:
+    """Output ``Y``, input gradient ``dX`` and parameter gradients (by name) of one forward+backward
+    of ``module(x, **mask)`` with upstream gradient ``g``."""
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad()
+    y = module(x, **mask)
+    y.backward(g.to(y.dtype))
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    return {"Y": y.detach(), "dX": x.grad.detach(), **grads}
+
+
+def additive(pad, dtype=torch.float64, value=float("-inf")):
+    """The additive [B, K] mask of a bool padding mask (True = padding), or None."""
+    return None if pad is None else torch.zeros(pad.shape, dtype=dtype).masked_fill(pad, value)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return load_config("tiny")

@@ -14,17 +14,12 @@ from transformers import BertConfig, BertModel  # noqa: E402
 from transformers.masking_utils import create_bidirectional_mask  # noqa: E402
 from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
 
+from conftest import rel  # noqa: E402
 from substation import EncoderLayer  # noqa: E402
 from substation.interop import HFBertLayer, from_hf, from_torch, optimize  # noqa: E402
 
 I, H, U, B, J = 32, 4, 48, 3, 8
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def rel(ours, ref):
-    """max |ours - ref| / max |ref|, in float64."""
-    ref = ref.double()
-    return float((ours.double() - ref).abs().max() / ref.abs().max())
 
 
 def bert_config(**kw):

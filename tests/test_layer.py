@@ -4,28 +4,13 @@ import itertools
 import pytest
 import torch
 
-from conftest import NO_DROPOUT, make_layer, reference_for
+from conftest import NO_DROPOUT, additive, make_layer, reference_for, rel, run
 from substation.config import EncoderConfig
 
 SMALL = EncoderConfig(name="small", batch_size=3, max_seq_len=13, hidden_size=64, num_heads=4, ffn_size=96,
                       layer_norm_eps=1e-5).replace(dropout=NO_DROPOUT)
 
 VARIANTS = list(itertools.product(("post", "pre"), ("gelu", "relu"), (True, False)))
-
-
-def rel(a, ref):
-    return float((a.double() - ref).abs().max() / ref.abs().max())
-
-
-def run(module, x, g, **mask):
-    """Output, input gradient and parameter gradients (by name) of one forward+backward of
-    ``module(x, **mask)``."""
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad()
-    y = module(x, **mask)
-    y.backward(g.to(y.dtype))
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
-    return {"Y": y.detach(), "dX": x.grad.detach(), **grads}
 
 
 def inputs(config, dtype, masked):
@@ -38,10 +23,6 @@ def inputs(config, dtype, masked):
         pad = torch.zeros(b, j, dtype=torch.bool)
         pad[1:, j // 2:] = True  # later sequences padded to half length
     return x, g, pad
-
-
-def additive(pad, dtype):
-    return None if pad is None else torch.zeros(pad.shape, dtype=dtype).masked_fill(pad, float("-inf"))
 
 
 @pytest.mark.parametrize("placement,activation,masked", VARIANTS)

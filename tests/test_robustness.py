@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import substation
-from conftest import NO_DROPOUT, make_layer, reference_for
+from conftest import NO_DROPOUT, additive, make_layer, reference_for, rel, run
 from substation.build import BuildError, ToolchainError, toolchain
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_layer
@@ -40,25 +40,6 @@ STACK = EncoderConfig(name="stack", batch_size=2, max_seq_len=5, hidden_size=32,
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def rel(ours, ref):
-    ref = ref.detach().double()
-    return float((ours.detach().double() - ref).abs().max() / ref.abs().max())
-
-
-def run(module, x, g, **mask):
-    """Output, input gradient and parameter gradients of one forward + backward of ``module(x, **mask)``."""
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad()
-    y = module(x, **mask)
-    y.backward(g.to(y.dtype))
-    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
-    return {"Y": y.detach(), "dX": x.grad.detach(), **grads}
-
-
-def additive(pad, dtype=torch.float64, value=float("-inf")):
-    return None if pad is None else torch.zeros(pad.shape, dtype=dtype).masked_fill(pad, value)
-
-
 def check_against_reference(layer, x, g, ours_mask: dict, ref_mask, names=None, tol64=1e-10):
     """Compare output and all gradients with the fp64 reference; float32 layers also against PyTorch float32.
     Returns the errors by name."""

@@ -24,7 +24,7 @@ import json
 
 import networkx as nx
 
-from ..graph import GraphBuilder, LayerGraph, Operator
+from ..graph import GraphBuilder, LayerGraph
 
 __all__ = ["FusionOptions", "FuseOperators", "fuse", "op_space", "kernel_name"]
 
