@@ -247,20 +247,7 @@ def cmd_report(args) -> int:
         analysis = analysis.with_measurement(measure(analysis.config, repeats=args.repeats,
                                                            optimized=args.optimized))
     print(format_report(analysis))
-    try:
-        if args.json:
-            write_json(analysis, args.json)
-            print(f"wrote {args.json}")
-        if args.plot:
-            plot_report(analysis, args.plot)
-            print(f"wrote {args.plot}")
-    except ImportError as e:
-        print(f"substation: error: --plot needs matplotlib ({e})", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"substation: error: cannot write the report: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return _write_outputs(args, analysis, write_json, plot_report)
 
 
 def cmd_bench(args) -> int:
@@ -283,9 +270,14 @@ def cmd_bench(args) -> int:
                                  layout=args.layout, progress=bench._progress)
         text, plot = bench.format_bench(result), bench.plot_bench
     print(text)
+    return _write_outputs(args, result, bench.write_json, plot)
+
+
+def _write_outputs(args, result, write_json, plot) -> int:
+    """Write ``--json`` and ``--plot`` of a report or bench result; the exit status."""
     try:
         if args.json:
-            bench.write_json(result, args.json)
+            write_json(result, args.json)
             print(f"wrote {args.json}")
         if args.plot:
             plot(result, args.plot)
