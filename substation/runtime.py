@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import dataclasses
 import threading
 
@@ -20,6 +21,29 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS (process-wide).
+
+    The tensors a layer saves for backward are freed after every step; when glibc unmaps them, the
+    next step page-faults on fresh pages (about 2,900 faults per BERT-base step here, 300 with this
+    setting). Called once when the first :class:`CompiledGraph` loads, unless the environment sets
+    ``SUBSTATION_MALLOC_TUNING=0``; it affects PyTorch eager in the same process alike.
+
+    Returns:
+        True if the settings were applied (glibc found and tuning not disabled).
+    """
+    if os.environ.get("SUBSTATION_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
+
+
 class CompiledGraph:
     """One loaded library of a :class:`LayerGraph`, callable on torch tensors.
 
@@ -27,7 +51,12 @@ class CompiledGraph:
         RuntimeError: the library's argument signature does not match the graph (a stale or foreign build).
     """
 
+    _malloc_tuned = False
+
     def __init__(self, graph: LayerGraph, path: str):
+        if not CompiledGraph._malloc_tuned:
+            CompiledGraph._malloc_tuned = True
+            keep_freed_memory()
         self.graph = graph
         self.path = path
         self.lib = ctypes.CDLL(path)
