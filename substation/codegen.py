@@ -256,6 +256,14 @@ class _Emitter:
         self.indent -= 1
         self.w("}")
 
+def dropout_constants(p: float) -> tuple[int, float]:
+    """(threshold, scale) of inverted dropout with probability ``p`` on 16 random bits: an element is
+    kept when its bits are >= threshold = round(p * 2^16) (so p is rounded to a multiple of 2^-16)
+    and then scaled by 2^16 / (2^16 - threshold), the inverse of the exact keep probability."""
+    threshold = min(int(round(p * 65536.0)), 65535)
+    return threshold, 65536.0 / (65536 - threshold)
+
+
 def row_kernel_space(graph: LayerGraph, members: list[dict], vector: str | None = None):
     """(F, N, R) of a row kernel: its iteration letters, the inner letters (ordered, innermost last)
     and the row letters (outermost first), following the layout of its first full-width tensor in
@@ -364,7 +372,7 @@ class _RowKernel:
         self.em.indent += 1
         self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
         if any(self.row_random(m) for m in self.members):
-            self.w("std::vector<uint32_t> rnd_((size_t)nn_ + 8);")
+            self.w("std::vector<uint16_t> rnd_((size_t)nn_ + 16);")
         if self.buffers:
             self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
             for k, t in enumerate(self.buffers):
@@ -430,8 +438,7 @@ class _RowKernel:
         self._ew(m, expr)
 
     def _dropout(self, m, attrs):
-        p = attrs["p"]
-        threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+        threshold, scale = dropout_constants(attrs["p"])
         dims = attrs["rng_dims"]
 
         def index(inner_at_zero: bool) -> str:
@@ -440,16 +447,16 @@ class _RowKernel:
                 i = "0" if inner_at_zero and c == dims[-1] else f"i_{c}"
                 res = f"({res}) * {_size(c)} + {i}" if res else i
             return res
-        scale = f"({self.T}){1.0 / (1.0 - p)!r}"
+        scale = f"({self.T}){scale!r}"
         # Two loops rather than a test per element: eval mode copies.
         self.w("if (training) {")
         if self.row_random(m):
-            # The row's random index is contiguous: one Philox block per four elements.
-            self.w(f"const uint32_t* rw_ = ss::random_row(seed, {attrs['stream']}u, (uint64_t)({index(True)}), "
+            # The row's random index is contiguous: one Philox block per eight elements.
+            self.w(f"const uint16_t* rw_ = ss::random_row(seed, {attrs['stream']}u, (uint64_t)({index(True)}), "
                    f"nn_, rnd_.data());")
             self._ew(m, f"ss::dropout(v_x, rw_[n_], {threshold}u, {scale})")
         else:
-            self._ew(m, f"ss::dropout(v_x, ss::random_word(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
+            self._ew(m, f"ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
                         f"{threshold}u, {scale})")
         self.w("} else {")
         self._ew(m, "v_x")

@@ -45,7 +45,7 @@ import re
 
 import sympy
 
-from .codegen import LayoutError, _cxx, _resolve, plan_contraction, row_kernel_space
+from .codegen import LayoutError, _cxx, _resolve, dropout_constants, plan_contraction, row_kernel_space
 from .graph import STATIC_DIMENSIONS, LayerGraph, Operator
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "dropout_keep_mask", "STORAGE_TYPES", "COMPUTE_DTYPES",
@@ -103,8 +103,9 @@ def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
 
 def dropout_keep_mask(seed: int, stream: int, index, p: float):
     """Which elements the generated dropout keeps (CPU and CUDA builds alike), computed with numpy:
-    element ``e`` uses word ``e % 4`` of the Philox4x32-10 block at counter ``e // 4`` (stream
-    ``stream``, key ``seed``) and is kept when that word is >= round(p * 2^32).
+    element ``e`` draws 16 bits, half ``e % 2`` of word ``(e // 2) % 4`` of the Philox4x32-10 block at
+    counter ``e // 8`` (stream ``stream``, key ``seed``), and is kept when they are >= the threshold
+    of :func:`substation.codegen.dropout_constants`.
 
     Args:
         seed: the 64-bit seed of the call; stream: the dropout site's stream id
@@ -117,7 +118,7 @@ def dropout_keep_mask(seed: int, stream: int, index, p: float):
     import numpy as np
     idx = np.asarray(index, dtype=np.uint64)
     m32 = np.uint64(0xFFFFFFFF)
-    counter = idx >> np.uint64(2)
+    counter = idx >> np.uint64(3)
     c0, c1 = counter & m32, counter >> np.uint64(32)
     c2 = np.full_like(idx, np.uint64(stream & 0xFFFFFFFF))
     c3 = np.zeros_like(idx)
@@ -129,9 +130,9 @@ def dropout_keep_mask(seed: int, stream: int, index, p: float):
         n2 = (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1)
         c0, c1, c2, c3 = n0, p1 & m32, n2, p0 & m32
         k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    word = np.choose((idx & np.uint64(3)).astype(np.int64), [c0, c1, c2, c3])
-    threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
-    return word >= np.uint64(threshold)
+    word = np.choose(((idx >> np.uint64(1)) & np.uint64(3)).astype(np.int64), [c0, c1, c2, c3])
+    bits = (word >> (np.uint64(16) * (idx & np.uint64(1)))) & np.uint64(0xFFFF)
+    return bits >= np.uint64(dropout_constants(p)[0])
 
 
 # -- row kernels -----------------------------------------------------------------------------------
@@ -331,8 +332,7 @@ class _RowKernel:
         self._ew(m, expr)
 
     def _dropout(self, m, attrs):
-        p = attrs["p"]
-        threshold = min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+        threshold, scale = dropout_constants(attrs["p"])
         dims = attrs["rng_dims"]
 
         def index(lane: bool) -> str:
@@ -343,15 +343,15 @@ class _RowKernel:
             return idx
         (t, a), = m["outputs"].values()
         x = self.val(*m["inputs"]["x"])
-        scale = f"(comp_t){1.0 / (1.0 - p)!r}"
-        if dims[-1] == self.last:  # the lanes' random indices are consecutive: blocks of four words
+        scale = f"(comp_t){scale!r}"
+        if dims[-1] == self.last:  # the lanes' random indices are consecutive: blocks of eight elements
             rw = self._fresh("rw")
             self._open().body += [f"uint32_t {rw}[V];",
-                                  f"if (training) sscuda::random_words<V>(seed, {attrs['stream']}u, "
+                                  f"if (training) sscuda::random_bits_run<V>(seed, {attrs['stream']}u, "
                                   f"(uint64_t)({index(False)}), {rw});"]
             word = f"{rw}[l_]"
         else:
-            word = f"sscuda::random_word(seed, {attrs['stream']}u, (uint64_t)({index(True)}))"
+            word = f"sscuda::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(True)}))"
         self.lane([], [(t, a, f"training ? (({word} >= {threshold}u) ? {x} * {scale} : (comp_t)0) : {x}")])
 
     def _activation(self, m, attrs):

@@ -71,7 +71,8 @@ def test_dropout_keeps_1_minus_p_and_scales(drop_layer):
     n = kept.numel()
     frac = kept.double().mean().item()
     assert abs(frac - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
-    assert torch.allclose(ad[kept], a[kept] / (1 - p), rtol=1e-14, atol=0)
+    from substation.codegen import dropout_constants
+    assert torch.allclose(ad[kept], a[kept] * dropout_constants(p)[1], rtol=1e-14, atol=0)
     assert abs(ad.sum().item() / a.sum().item() - 1) < 4 * math.sqrt(p / (1 - p) / n) * math.sqrt(j)
     other = c.forward(given, b, j, seed=1235, training=True)["A_drop"]
     assert not torch.equal(other != 0, kept)
@@ -155,28 +156,30 @@ def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):
         layer(x)
 
 
-def test_random_row_matches_random_word(tmp_path, monkeypatch):
-    """The per-row fast path of the dropout generator gives every element the same word as the
-    per-element path, for rows starting anywhere (both are used, depending on the layout)."""
+def test_random_row_matches_random_bits(tmp_path, monkeypatch):
+    """The per-row fast path of the dropout generator gives every element the same 16 bits as the
+    per-element path, for rows starting anywhere (both are used, depending on the layout), and the
+    kept fraction is 1 - threshold / 2^16."""
     import ctypes
 
     from substation.build import build_library
+    from substation.codegen import dropout_constants
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
     src = """
         #include "substation_cpu.h"
         extern "C" int64_t mismatches(uint64_t seed, uint32_t stream) {
-          std::vector<uint32_t> scratch(300 + 8);
+          std::vector<uint16_t> scratch(300 + 16);
           int64_t bad = 0;
           for (uint64_t first = 0; first < 50; first += 7)
             for (int64_t n = 1; n < 300; n += 37) {
-              const uint32_t* w = ss::random_row(seed, stream, first, n, scratch.data());
-              for (int64_t i = 0; i < n; ++i) bad += w[i] != ss::random_word(seed, stream, first + i);
+              const uint16_t* w = ss::random_row(seed, stream, first, n, scratch.data());
+              for (int64_t i = 0; i < n; ++i) bad += w[i] != ss::random_bits(seed, stream, first + i);
             }
           return bad;
         }
         extern "C" double kept_fraction(uint64_t seed, uint32_t threshold) {
           int64_t kept = 0;
-          for (uint64_t i = 0; i < 1000000; ++i) kept += ss::random_word(seed, 3, i) >= threshold;
+          for (uint64_t i = 0; i < 1000000; ++i) kept += ss::random_bits(seed, 3, i) >= threshold;
           return kept / 1e6;
         }
     """
@@ -185,8 +188,11 @@ def test_random_row_matches_random_word(tmp_path, monkeypatch):
     lib.kept_fraction.restype = ctypes.c_double
     assert lib.mismatches(ctypes.c_uint64(2 ** 40 + 5), 2) == 0
     for p in (0.1, 0.5):
-        frac = lib.kept_fraction(ctypes.c_uint64(99), ctypes.c_uint32(int(p * 2 ** 32)))
-        assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / 1e6)
+        threshold, scale = dropout_constants(p)
+        keep = 1 - threshold / 65536
+        assert abs(keep - (1 - p)) <= 2 ** -17 and scale == 1 / keep
+        frac = lib.kept_fraction(ctypes.c_uint64(99), ctypes.c_uint32(threshold))
+        assert abs(frac - keep) < 5 * math.sqrt(p * (1 - p) / 1e6)
 
 
 def test_freed_memory_is_kept_between_steps(monkeypatch):

@@ -12,8 +12,8 @@ namespace ss {
 
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
 // counter-based generator, so forward and backward regenerate the same dropout mask from
-// (seed, stream, element index) without storing it. Element e of a stream uses word e % 4 of the
-// block at counter e / 4, so one block serves four consecutive elements.
+// (seed, stream, element index) without storing it. Element e of a stream draws 16 bits: half
+// e % 2 of word (e / 2) % 4 of the block at counter e / 8, so one block serves eight elements.
 struct Words { uint32_t w[4]; };
 
 static inline uint32_t mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
@@ -37,33 +37,37 @@ static inline Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
   return Words{{c0, c1, c2, c3}};
 }
 
-// The random word of element `index` (any access pattern).
-static inline uint32_t random_word(uint64_t seed, uint32_t stream, uint64_t index) {
-  const Words b = philox(index >> 2, stream, seed);
-  const uint32_t j = (uint32_t)(index & 3);
-  return j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+// The 16 random bits of element `index` (any access pattern).
+static inline uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t index) {
+  const Words b = philox(index >> 3, stream, seed);
+  const uint32_t j = (uint32_t)((index >> 1) & 3);
+  const uint32_t w = j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+  return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
 
-// The words of elements first .. first + n - 1 (a row whose random index is contiguous), one block
-// per four elements. `scratch` holds n + 8 words; returns where element `first` lies in it.
-static inline const uint32_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
-                                         uint32_t* __restrict__ scratch) {
-  const uint64_t g0 = first >> 2;
-  const int64_t groups = (int64_t)(((first & 3) + (uint64_t)n + 3) >> 2);
+// The bits of elements first .. first + n - 1 (a row whose random index is contiguous), one block
+// per eight elements. `scratch` holds n + 16 entries; returns where element `first` lies in it.
+static inline const uint16_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
+                                         uint16_t* __restrict__ scratch) {
+  const uint64_t g0 = first >> 3;
+  const int64_t groups = (int64_t)(((first & 7) + (uint64_t)n + 7) >> 3);
 #pragma omp simd
   for (int64_t g = 0; g < groups; ++g) {
     const Words b = philox(g0 + (uint64_t)g, stream, seed);
-    scratch[4 * g] = b.w[0]; scratch[4 * g + 1] = b.w[1];
-    scratch[4 * g + 2] = b.w[2]; scratch[4 * g + 3] = b.w[3];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      scratch[8 * g + 2 * j] = (uint16_t)(b.w[j] & 0xFFFFu);
+      scratch[8 * g + 2 * j + 1] = (uint16_t)(b.w[j] >> 16);
+    }
   }
-  return scratch + (first & 3);
+  return scratch + (first & 7);
 }
 
-// Inverted dropout given an element's random word: x / (1 - p) when kept, else 0, with
-// P(keep) = 1 - threshold / 2^32. Branch-free so that loops over it vectorize.
+// Inverted dropout given an element's 16 random bits: x * scale when bits >= threshold, else 0;
+// P(keep) = 1 - threshold / 2^16 and scale = 2^16 / (2^16 - threshold) exactly. Branch-free.
 template <typename T>
-static inline T dropout(T x, uint32_t word, uint32_t threshold, T scale) {
-  return word >= threshold ? x * scale : T(0);
+static inline T dropout(T x, uint32_t bits, uint32_t threshold, T scale) {
+  return bits >= threshold ? x * scale : T(0);
 }
 
 // Elementary functions. float: branch-free approximations that GCC vectorizes inside

@@ -165,9 +165,9 @@ template <int V, typename X, typename C> SS_DEV void store(X* __restrict__ p, co
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ---- counter-based dropout -------------------------------------------------------------------
-// Philox4x32-10 exactly as in substation_cpu.h: element e of a dropout stream uses word e % 4 of the
-// block at counter e / 4, so the CPU and CUDA builds keep or drop the same elements for the same
-// (seed, stream, element index), and one block serves four consecutive elements.
+// Philox4x32-10 exactly as in substation_cpu.h: element e of a dropout stream draws 16 bits, half
+// e % 2 of word (e / 2) % 4 of the block at counter e / 8, so the CPU and CUDA builds keep or drop
+// the same elements for the same (seed, stream, element index), and one block serves eight elements.
 struct Words { uint32_t w[4]; };
 
 SS_HD Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
@@ -187,27 +187,32 @@ SS_HD Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
   res.w[0] = c0; res.w[1] = c1; res.w[2] = c2; res.w[3] = c3;
   return res;
 }
-// The random word of element `index` (any access pattern).
-SS_HD uint32_t random_word(uint64_t seed, uint32_t stream, uint64_t index) {
-  const Words b = philox(index >> 2, stream, seed);
-  const uint32_t j = (uint32_t)(index & 3);
-  return j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+// The 16 random bits of element `index` (any access pattern).
+SS_HD uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t index) {
+  const Words b = philox(index >> 3, stream, seed);
+  const uint32_t j = (uint32_t)((index >> 1) & 3);
+  const uint32_t w = j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
+  return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
-// The words of elements first .. first + V - 1: one block per four elements when `first` is a
-// multiple of 4 and V of 4, else one block per element.
-template <int V> SS_DEV void random_words(uint64_t seed, uint32_t stream, uint64_t first, uint32_t* out) {
-  if constexpr (V % 4 == 0) {
-    if ((first & 3) == 0) {
+// The bits of elements first .. first + V - 1: one block per eight elements when `first` is a
+// multiple of 8 and V of 8, else one block per element.
+template <int V> SS_DEV void random_bits_run(uint64_t seed, uint32_t stream, uint64_t first, uint32_t* out) {
+  if constexpr (V % 8 == 0) {
+    if ((first & 7) == 0) {
       SS_UNROLL
-      for (int g = 0; g < V / 4; ++g) {
-        const Words b = philox((first >> 2) + (uint64_t)g, stream, seed);
-        out[4 * g] = b.w[0]; out[4 * g + 1] = b.w[1]; out[4 * g + 2] = b.w[2]; out[4 * g + 3] = b.w[3];
+      for (int g = 0; g < V / 8; ++g) {
+        const Words b = philox((first >> 3) + (uint64_t)g, stream, seed);
+        SS_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          out[8 * g + 2 * j] = b.w[j] & 0xFFFFu;
+          out[8 * g + 2 * j + 1] = b.w[j] >> 16;
+        }
       }
       return;
     }
   }
   SS_UNROLL
-  for (int l = 0; l < V; ++l) out[l] = random_word(seed, stream, first + (uint64_t)l);
+  for (int l = 0; l < V; ++l) out[l] = random_bits(seed, stream, first + (uint64_t)l);
 }
 
 // ---- elementary functions (compute type float or double) -------------------------------------
