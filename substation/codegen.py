@@ -372,7 +372,7 @@ class _RowKernel:
         self.em.indent += 1
         self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
         if any(self.row_random(m) for m in self.members):
-            self.w("std::vector<uint16_t> rnd_((size_t)nn_ + 16);")
+            self.w("std::vector<uint32_t> rnd_((size_t)nn_ / 2 + 8);")
         if self.buffers:
             self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
             for k, t in enumerate(self.buffers):
@@ -452,9 +452,9 @@ class _RowKernel:
         self.w("if (training) {")
         if self.row_random(m):
             # The row's random index is contiguous: one Philox block per eight elements.
-            self.w(f"const uint16_t* rw_ = ss::random_row(seed, {attrs['stream']}u, (uint64_t)({index(True)}), "
-                   f"nn_, rnd_.data());")
-            self._ew(m, f"ss::dropout(v_x, rw_[n_], {threshold}u, {scale})")
+            self.w(f"const uint64_t e0_ = (uint64_t)({index(True)});")
+            self.w(f"const uint32_t* rw_ = ss::random_row(seed, {attrs['stream']}u, e0_, nn_, rnd_.data());")
+            self._ew(m, f"ss::dropout(v_x, ss::row_bits(rw_, e0_, n_), {threshold}u, {scale})")
         else:
             self._ew(m, f"ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
                         f"{threshold}u, {scale})")

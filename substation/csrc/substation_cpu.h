@@ -45,22 +45,24 @@ static inline uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t inde
   return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
 
-// The bits of elements first .. first + n - 1 (a row whose random index is contiguous), one block
-// per eight elements. `scratch` holds n + 16 entries; returns where element `first` lies in it.
-static inline const uint16_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
-                                         uint16_t* __restrict__ scratch) {
+// The words holding the bits of elements first .. first + n - 1 (a row whose random index is
+// contiguous), one block per eight elements; element first + i takes row_bits(words, first, i).
+// `scratch` holds n / 2 + 8 words.
+static inline const uint32_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
+                                         uint32_t* __restrict__ scratch) {
   const uint64_t g0 = first >> 3;
   const int64_t groups = (int64_t)(((first & 7) + (uint64_t)n + 7) >> 3);
 #pragma omp simd
   for (int64_t g = 0; g < groups; ++g) {
     const Words b = philox(g0 + (uint64_t)g, stream, seed);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      scratch[8 * g + 2 * j] = (uint16_t)(b.w[j] & 0xFFFFu);
-      scratch[8 * g + 2 * j + 1] = (uint16_t)(b.w[j] >> 16);
-    }
+    scratch[4 * g] = b.w[0]; scratch[4 * g + 1] = b.w[1];
+    scratch[4 * g + 2] = b.w[2]; scratch[4 * g + 3] = b.w[3];
   }
-  return scratch + (first & 7);
+  return scratch;
+}
+static inline uint32_t row_bits(const uint32_t* __restrict__ words, uint64_t first, int64_t i) {
+  const uint64_t k = (first & 7) + (uint64_t)i;
+  return (words[k >> 1] >> ((k & 1) << 4)) & 0xFFFFu;
 }
 
 // Inverted dropout given an element's 16 random bits: x * scale when bits >= threshold, else 0;
