@@ -29,9 +29,7 @@ import glob
 import inspect
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from typing import Callable, Mapping
 
@@ -39,6 +37,7 @@ import sympy
 
 from .config import EncoderConfig, load_config
 from .graph import OP_CLASSES, LayerGraph, Operator
+from .files import atomic_write
 
 __all__ = [
     "SYMBOLS", "ELEMENTWISE_FLOP", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
@@ -679,21 +678,6 @@ def format_report(analysis: Analysis) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it onto ``path``."""
-    path = os.path.abspath(path)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_json(analysis: Analysis, path: str) -> None:
     """Write :meth:`Analysis.to_json` to ``path`` atomically (temporary file + rename).
 
@@ -706,7 +690,7 @@ def write_json(analysis: Analysis, path: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
             f.write("\n")
-    _atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def plot_report(analysis: Analysis, path: str) -> None:
@@ -771,6 +755,6 @@ def plot_report(analysis: Analysis, path: str) -> None:
     def write(tmp):
         fig.savefig(tmp, format="png", dpi=110)
     try:
-        _atomic_write(path, write)
+        atomic_write(path, write)
     finally:
         plt.close(fig)

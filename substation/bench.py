@@ -22,6 +22,7 @@ copy bandwidth measured in the same run (:func:`substation.analysis.copy_bandwid
 Units everywhere: seconds, bytes, bytes/s; ratios are plain numbers. See docs/performance.md.
 """
 from __future__ import annotations
+from .files import atomic_write
 
 import contextlib
 import dataclasses
@@ -643,27 +644,13 @@ def format_kernels(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_json(result: dict, path: str) -> None:
     """Write a bench or kernel result as JSON (atomically). Raises OSError when it cannot be written."""
     def write(tmp):
         with open(tmp, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
-    _atomic_write(path, write)
+    atomic_write(path, write)
 
 
 def _plt():
@@ -706,7 +693,7 @@ def plot_bench(result: dict, path: str) -> None:
     ax.legend()
     ax.margins(y=0.12)
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 
@@ -732,7 +719,7 @@ def plot_kernels(result: dict, path: str) -> None:
     ax.set_title(f"{c['name']} B={result['batch_size']} L={result['seq_len']}: memory-bound kernels "
                  f"(blue forward, orange backward)", fontsize=9)
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 

@@ -109,10 +109,19 @@ def toolchain() -> Toolchain:
 
 
 def cache_dir() -> str:
-    """The build cache folder: ``$SUBSTATION_CACHE_DIR`` or ``~/.cache/substation``."""
+    """The build cache folder: ``$SUBSTATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/substation``, else
+    ``~/.cache/substation`` (created if needed).
+
+    Raises:
+        BuildError: the folder cannot be created or is not a folder.
+    """
     path = os.environ.get("SUBSTATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "substation")
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise BuildError(f"the build cache folder {path} cannot be created ({e.strerror}); "
+                         "set SUBSTATION_CACHE_DIR to a writable folder") from None
     return path
 
 

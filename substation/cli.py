@@ -1,4 +1,4 @@
-"""Command line: ``substation compile | graphs | report | bench`` (also ``python -m substation``)."""
+"""Command line: ``substation compile | graphs | report | bench | tune`` (also ``python -m substation``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,34 +7,13 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
+
+from .files import OutputError, publish_dir, publish_files
 
 __all__ = ["main"]
 
 REFERENCE_CONFIGS = ("bert-base", "bert-large-b8-l512", "bert-large-b96-l128", "minilm-l6")
-
-
-def publish_dir(build, out: str) -> None:
-    """Fill a fresh folder with ``build(tmpdir)`` and move it to ``out`` in one rename, replacing an
-    old ``out`` only once the new one is complete."""
-    out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
-        build(tmp)
-        if os.path.exists(out):
-            trash = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.rename(out, os.path.join(trash, "old"))
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
@@ -200,7 +179,8 @@ def cmd_compile(args) -> int:
           f"backward {report['operators']['backward']} {report['operators_by_class']['backward']}")
     print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")
                                 for k, v in compiled.build_seconds.items()) + f"; pipeline {total:.1f} s")
-    print(f"check vs PyTorch eager (eval, padding mask): max relative error {err:.2e}")
+    masking = {"none": "no mask", "padding": "padding mask", "causal": "causal + padding mask"}[config.mask]
+    print(f"check vs PyTorch eager (eval, {masking}): max relative error {err:.2e}")
     print(f"forward+backward median of {args.repeats}: substation {med['substation'] * 1e3:.1f} ms, "
           f"PyTorch eager {med['pytorch_eager'] * 1e3:.1f} ms, speedup {report['speedup_vs_eager']:.2f}x")
     print(f"wrote {out}/: forward.sdfg backward.sdfg forward.cpp backward.cpp forward.so backward.so report.json")
@@ -226,7 +206,7 @@ def cmd_graphs(args) -> int:
                 bwd.save(os.path.join(tmp, f"{config.name}.backward{suffix}.sdfg"))
                 print(f"{config.name}{suffix}: forward {len(fwd.operators())} operators, "
                       f"backward {len(bwd.operators())}")
-    publish_dir(write, args.out)
+    publish_files(write, args.out)
     print(f"wrote {args.out}/")
     return 0
 
@@ -336,13 +316,28 @@ def cmd_compare_layouts(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="substation", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("compile", help="compile a config; write graphs, sources, libraries and a report")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
     p.add_argument("--out", help="output folder (default out/<config name>)")
-    p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps per implementation")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="timed forward+backward steps per implementation")
     p.add_argument("--no-fuse", action="store_true", help="skip the fusion pass (one kernel per operator)")
     p.add_argument("--layout", metavar="PLAN|default",
                    help="apply a layout plan (JSON path or bundled name); default keeps PyTorch's layouts")
@@ -354,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
     p.add_argument("--target", default="cpu", choices=("cpu",), help="code-generation target (default cpu)")
     p.add_argument("--out", metavar="PLAN", help="plan file to write (default <config name>.plan.json)")
-    p.add_argument("--budget", type=float, default=900.0, help="seconds of measuring at most (default 900)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per microbenchmark (default 5)")
+    p.add_argument("--budget", type=_positive_float, default=900.0, help="seconds of measuring at most (default 900)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per microbenchmark (default 5)")
     p.add_argument("--no-fuse", action="store_true", help="tune the unfused graphs")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("graphs", help="regenerate the saved SDFGs of the reference configs")
@@ -403,6 +398,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible) as e:
+    except (ConfigError, FileNotFoundError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible,
+            OutputError) as e:
         print(f"substation: error: {e}", file=sys.stderr)
         return 2

@@ -156,6 +156,10 @@ class EncoderConfig:
         if not isinstance(self.dropout, DropoutConfig):
             raise ConfigError(f"dropout: must be a DropoutConfig, got {type(self.dropout).__name__}")
         eps = self.layer_norm_eps
+        if isinstance(eps, str):
+            raise ConfigError(f"layer_norm_eps: must be a number in (0, 1), got the string {eps!r} (YAML 1.1 "
+                              "readers such as yaml.safe_load read 1e-5 without a dot as a string: write 1.0e-5 "
+                              "or load the file with substation.load_config)")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < float(eps) < 1.0:
             raise ConfigError(f"layer_norm_eps: must be a number in (0, 1), got {eps!r}")
         object.__setattr__(self, "layer_norm_eps", float(eps))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -499,6 +500,8 @@ def optimize(model: nn.Module, **config_overrides) -> nn.Module:
                            f"4-D masks from 5.0 on); found {transformers.__version__}")
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, BertLayer)]
     if not targets:
+        warnings.warn(f"optimize(): no transformers BertLayer inside {type(model).__name__}; nothing replaced",
+                      stacklevel=2)
         return model
     if targets[0][0] == "":
         raise ValueError("optimize() replaces the BertLayers inside a model; wrap a bare BertLayer with "

@@ -87,4 +87,5 @@ def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, in
         built = build_libraries(sources)
     step("load")
     return CompiledLayer(config, CompiledGraph(fwd, built["forward"].path), CompiledGraph(bwd, built["backward"].path),
-                         {k: v.seconds for k, v in built.items()}, sources)
+                         {k: v.seconds for k, v in built.items()}, sources,
+                         {"fuse": fuse, "layout": layout, "instrument": instrument})

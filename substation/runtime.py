@@ -2,6 +2,7 @@
 :class:`EncoderLayer`, an ``nn.Module`` with PyTorch's parameter shapes."""
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import dataclasses
@@ -171,6 +172,8 @@ class CompiledLayer:
         forward, backward: the loaded graphs.
         build_seconds: compile time of each library (0 when it came from the cache).
         sources: generated C++ source of each graph.
+        options: the keyword arguments of :func:`substation.pipeline.compile_layer` that produced it
+            (``fuse``, ``layout``, ``instrument``), so it can be rebuilt (e.g. after unpickling).
     """
 
     config: EncoderConfig
@@ -178,6 +181,7 @@ class CompiledLayer:
     backward: CompiledGraph
     build_seconds: dict
     sources: dict
+    options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def saved_names(self) -> list[str]:
@@ -297,6 +301,27 @@ class EncoderLayer(nn.Module):
         init_parameters(self, self.config, self.torch_dtype)
         if compiled.forward.device_type == "cuda" and torch.cuda.is_available():
             self.to("cuda")  # CUDA layers keep their parameters on the (current) GPU
+
+    def __deepcopy__(self, memo):
+        # Copies share the loaded libraries (read-only); parameters and buffers are copied.
+        memo[id(self.compiled)] = self.compiled
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def __getstate__(self):
+        # Libraries do not pickle: keep what rebuilds them (from the build cache when present).
+        state = self.__dict__.copy()
+        state["compiled"] = (self.compiled.config, self.compiled.options)
+        return state
+
+    def __setstate__(self, state):
+        from .pipeline import compile_layer
+        config, options = state["compiled"]
+        state["compiled"] = compile_layer(config, **options)
+        self.__dict__.update(state)
 
     @classmethod
     def from_hf(cls, bert_layer, **config_overrides) -> "EncoderLayer":

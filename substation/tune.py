@@ -37,7 +37,8 @@ import sys
 import time
 from typing import Callable
 
-from .passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution, _atomic_write_text,
+from .files import atomic_write_text
+from .passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution,
                             _rename_records, build_problem, load_plan, op_candidates, plan_from_solution, solve)
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
@@ -76,7 +77,7 @@ class TuneCache:
         merged.update(self.entries)
         merged.update(values)
         self.entries = merged
-        _atomic_write_text(self.path, json.dumps({"format": CACHE_FORMAT, "entries": merged}, indent=0,
+        atomic_write_text(self.path, json.dumps({"format": CACHE_FORMAT, "entries": merged}, indent=0,
                                                  sort_keys=True))
 
 

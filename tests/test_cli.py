@@ -11,8 +11,8 @@ def test_compile_writes_everything(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert main(["compile", "tiny", "--out", str(out), "--repeats", "2"]) == 0
     files = sorted(os.listdir(out))
-    assert files == ["backward.cpp", "backward.sdfg", "backward.so", "forward.cpp", "forward.sdfg", "forward.so",
-                     "report.json"]
+    assert files == [".substation-output", "backward.cpp", "backward.sdfg", "backward.so", "forward.cpp",
+                     "forward.sdfg", "forward.so", "report.json"]
     report = json.loads((out / "report.json").read_text())
     assert report["operators"] == {"forward": 11, "backward": 18}  # 6 + 5 and 12 + 6 kernels
     assert report["operators_by_class"]["forward"] == {"TC": 6, "SN": 3, "EW": 2}
@@ -24,6 +24,23 @@ def test_compile_writes_everything(tmp_path, capsys):
     assert main(["compile", "tiny", "--out", str(out), "--repeats", "1", "--no-fuse"]) == 0
     assert json.loads((out / "report.json").read_text())["operators"] == {"forward": 20, "backward": 27}
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def test_outputs_never_replace_foreign_files(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["compile", "tiny", "--out", str(mine), "--repeats", "1"]) == 2
+    assert "refusing to replace" in capsys.readouterr().err and os.listdir(mine) == ["notes.txt"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["compile", "tiny", "--out", str(afile), "--repeats", "1"]) == 2
+    assert "is an existing file" in capsys.readouterr().err and afile.read_text() == "x"
+    # graphs writes its files next to the ones already there
+    assert main(["graphs", "tiny", "--out", str(mine)]) == 0
+    assert sorted(os.listdir(mine)) == ["notes.txt", "tiny.backward.fused.sdfg", "tiny.backward.sdfg",
+                                        "tiny.forward.fused.sdfg", "tiny.forward.sdfg"]
+    assert (mine / "notes.txt").read_text() == "keep me"
 
 
 def test_graphs_and_errors(tmp_path, capsys):

@@ -292,3 +292,9 @@ def test_hf_wrapper_rejects_per_query_masks():
     causal = torch.ones(J, J, dtype=torch.bool).tril()[None, None]
     with pytest.raises(ValueError, match="differs between queries"):
         ours(x, causal)
+
+
+def test_optimize_warns_when_nothing_is_replaced():
+    model = nn.Sequential(nn.Linear(3, 3))
+    with pytest.warns(UserWarning, match="no transformers BertLayer inside Sequential"):
+        assert optimize(model) is model

@@ -216,3 +216,21 @@ def test_freed_memory_is_kept_between_steps(monkeypatch):
         layer(x).sum().backward()
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
     assert faults < 50, faults  # without it: one fault per freshly mapped 4 KiB page of saved tensors
+
+
+def test_deepcopy_and_pickle(tiny_nodrop, tmp_path):
+    """Copies share the compiled libraries but own their parameters; torch.save/torch.load rebuild
+    the libraries from the build cache."""
+    import copy
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer)
+    twin = copy.deepcopy(layer)
+    assert twin.compiled is layer.compiled
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(layer.parameters(), twin.parameters()))
+    assert torch.equal(twin(x), layer(x))
+    with torch.no_grad():
+        twin.out_proj_bias.add_(1.0)
+    assert not torch.equal(twin(x), layer(x))
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert torch.equal(loaded(x), layer(x)) and loaded.compiled.options == layer.compiled.options

@@ -43,7 +43,6 @@ import itertools
 import json
 import math
 import os
-import tempfile
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -59,6 +58,7 @@ __all__ = [
 PLAN_FORMAT = "substation-layout-plan/1"
 
 from ..codegen import LayoutError  # noqa: E402  (re-exported: a contraction that needs a transpose)
+from ..files import atomic_write_text
 
 
 class LayoutInfeasible(ValueError):
@@ -101,20 +101,6 @@ def _closeness(layout: str, dims: str) -> int:
     """Number of letter pairs whose order differs from ``dims`` (0 for the PyTorch layout)."""
     pos = {d: i for i, d in enumerate(layout)}
     return sum(1 for a, b in itertools.combinations(dims, 2) if pos[a] > pos[b])
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and one ``os.replace``."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # -- the cost model --------------------------------------------------------------------------------
@@ -1034,7 +1020,7 @@ class LayoutPlan:
 
     def save(self, path: str) -> None:
         """Write the plan atomically (temporary file + rename)."""
-        _atomic_write_text(path, self.to_json())
+        atomic_write_text(path, self.to_json())
 
     @classmethod
     def load(cls, path: str) -> "LayoutPlan":

@@ -1,0 +1,1 @@
+"""C++ and CUDA headers included by the generated code (package data)."""

@@ -1,0 +1,105 @@
+"""Writing outputs safely: files and folders appear whole (one rename) or not at all."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Callable
+
+__all__ = ["OutputError", "OUTPUT_MARKER", "atomic_write", "atomic_write_text", "publish_dir", "publish_files"]
+
+
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp)`` on a temporary file next to ``path`` (parent folders are created), make it
+    readable (0644) and rename it onto ``path``; a failed ``write`` leaves ``path`` untouched.
+
+    Raises:
+        OSError: the folder or file cannot be written.
+    """
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """:func:`atomic_write` of a text."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    atomic_write(path, write)
+
+
+#: Written into every folder ``publish_dir`` creates: only such folders (or empty ones) are replaced.
+OUTPUT_MARKER = ".substation-output"
+
+
+class OutputError(ValueError):
+    """An output path that Substation will not overwrite."""
+
+
+def publish_dir(build, out: str) -> None:
+    """Fill a fresh folder with ``build(tmpdir)`` and move it to ``out`` in one rename, replacing an
+    old ``out`` only once the new one is complete.
+
+    Raises:
+        OutputError: ``out`` exists and is a file, or a non-empty folder that Substation did not write.
+    """
+    out = os.path.abspath(out)
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise OutputError(f"--out {out} is an existing file; choose a folder")
+        if os.listdir(out) and not os.path.exists(os.path.join(out, OUTPUT_MARKER)):
+            raise OutputError(f"refusing to replace {out}: a non-empty folder that substation did not write "
+                              f"(no {OUTPUT_MARKER}); choose another --out")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        build(tmp)
+        with open(os.path.join(tmp, OUTPUT_MARKER), "w") as f:
+            f.write("written by substation; `substation compile --out` replaces this folder as a whole\n")
+        if os.path.exists(out):
+            trash = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rename(out, os.path.join(trash, "old"))
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_files(build, folder: str) -> list[str]:
+    """Write the files ``build(tmpdir)`` creates into ``folder``, each with one atomic replace; other
+    files in ``folder`` are left alone. Returns the names written.
+
+    Raises:
+        OutputError: ``folder`` is an existing file.
+    """
+    folder = os.path.abspath(folder)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise OutputError(f"--out {folder} is an existing file; choose a folder")
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder)
+    try:
+        build(tmp)
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            os.chmod(os.path.join(tmp, name), 0o644)
+            os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
