@@ -452,9 +452,9 @@ class _RowKernel:
         self.w("if (training) {")
         if self.row_random(m):
             # The row's random index is contiguous: one Philox block per eight elements.
-            self.w(f"const uint64_t e0_ = (uint64_t)({index(True)});")
-            self.w(f"const uint32_t* rw_ = ss::random_row(seed, {attrs['stream']}u, e0_, nn_, rnd_.data());")
-            self._ew(m, f"ss::dropout(v_x, ss::row_bits(rw_, e0_, n_), {threshold}u, {scale})")
+            self.w(f"const ss::bits16_t* rw_ = ss::random_row(seed, {attrs['stream']}u, "
+                   f"(uint64_t)({index(True)}), nn_, rnd_.data());")
+            self._ew(m, f"ss::dropout(v_x, rw_[n_], {threshold}u, {scale})")
         else:
             self._ew(m, f"ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
                         f"{threshold}u, {scale})")

@@ -172,9 +172,8 @@ def test_random_row_matches_random_bits(tmp_path, monkeypatch):
           int64_t bad = 0;
           for (uint64_t first = 0; first < 50; first += 7)
             for (int64_t n = 1; n < 300; n += 37) {
-              const uint32_t* w = ss::random_row(seed, stream, first, n, scratch.data());
-              for (int64_t i = 0; i < n; ++i)
-                bad += ss::row_bits(w, first, i) != ss::random_bits(seed, stream, first + i);
+              const ss::bits16_t* w = ss::random_row(seed, stream, first, n, scratch.data());
+              for (int64_t i = 0; i < n; ++i) bad += w[i] != ss::random_bits(seed, stream, first + i);
             }
           return bad;
         }

@@ -45,11 +45,14 @@ static inline uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t inde
   return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
 
-// The words holding the bits of elements first .. first + n - 1 (a row whose random index is
-// contiguous), one block per eight elements; element first + i takes row_bits(words, first, i).
-// `scratch` holds n / 2 + 8 words.
-static inline const uint32_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
+// The bits of elements first .. first + n - 1 (a row whose random index is contiguous), one block
+// per eight elements: the blocks' words are stored in order, so on a little-endian machine the
+// 16-bit halves of element first + i sit at index (first % 8) + i of the same memory read as
+// uint16 (may_alias: read through another type on purpose). `scratch` holds n / 2 + 8 words.
+typedef uint16_t __attribute__((may_alias)) bits16_t;
+static inline const bits16_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
                                          uint32_t* __restrict__ scratch) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "random_row assumes a little-endian machine");
   const uint64_t g0 = first >> 3;
   const int64_t groups = (int64_t)(((first & 7) + (uint64_t)n + 7) >> 3);
 #pragma omp simd
@@ -58,11 +61,7 @@ static inline const uint32_t* random_row(uint64_t seed, uint32_t stream, uint64_
     scratch[4 * g] = b.w[0]; scratch[4 * g + 1] = b.w[1];
     scratch[4 * g + 2] = b.w[2]; scratch[4 * g + 3] = b.w[3];
   }
-  return scratch;
-}
-static inline uint32_t row_bits(const uint32_t* __restrict__ words, uint64_t first, int64_t i) {
-  const uint64_t k = (first & 7) + (uint64_t)i;
-  return (words[k >> 1] >> ((k & 1) << 4)) & 0xFFFFu;
+  return reinterpret_cast<const bits16_t*>(scratch) + (first & 7);
 }
 
 // Inverted dropout given an element's 16 random bits: x * scale when bits >= threshold, else 0;
