@@ -381,8 +381,8 @@ def test_cli_compile_target_cuda(nvcc_layers, tmp_path, capsys):
                  "--repeats", "2"]) == 0
     text = capsys.readouterr().out
     assert "target=cuda (sm_90)" in text and "build: forward" in text
-    assert sorted(os.listdir(out)) == ["backward.cu", "backward.sdfg", "backward.so", "forward.cu", "forward.sdfg",
-                                       "forward.so", "report.json"]
+    assert sorted(os.listdir(out)) == [".substation-output", "backward.cu", "backward.sdfg", "backward.so",
+                                       "forward.cu", "forward.sdfg", "forward.so", "report.json"]
 
 
 @needs_nvcc
