@@ -16,6 +16,19 @@ __all__ = ["main"]
 REFERENCE_CONFIGS = ("bert-base", "bert-large-b8-l512", "bert-large-b96-l128", "minilm-l6")
 
 
+def _write_build(folder: str, compiled, report: dict, source_suffix: str) -> None:
+    """The files of ``substation compile``: both SDFGs, generated sources, libraries, report.json."""
+    compiled.forward.graph.save(os.path.join(folder, "forward.sdfg"))
+    compiled.backward.graph.save(os.path.join(folder, "backward.sdfg"))
+    for phase, src in compiled.sources.items():
+        with open(os.path.join(folder, f"{phase}{source_suffix}"), "w") as f:
+            f.write(src)
+    shutil.copy(compiled.forward.path, os.path.join(folder, "forward.so"))
+    shutil.copy(compiled.backward.path, os.path.join(folder, "backward.so"))
+    with open(os.path.join(folder, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+
+
 def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
     """``compile --target cuda``: write graphs, sources, libraries and a report; with a GPU present also
     check the layer against PyTorch (float32, eval, padding mask) and time forward+backward against
@@ -68,17 +81,7 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
     else:
         report["check"] = "skipped: no CUDA device on this machine (the libraries were built and link)"
 
-    def write(tmp):
-        fwd.save(os.path.join(tmp, "forward.sdfg"))
-        bwd.save(os.path.join(tmp, "backward.sdfg"))
-        for phase, src in compiled.sources.items():
-            with open(os.path.join(tmp, f"{phase}.cu"), "w") as f:
-                f.write(src)
-        shutil.copy(compiled.forward.path, os.path.join(tmp, "forward.so"))
-        shutil.copy(compiled.backward.path, os.path.join(tmp, "backward.so"))
-        with open(os.path.join(tmp, "report.json"), "w") as f:
-            json.dump(report, f, indent=2)
-    publish_dir(write, out)
+    publish_dir(lambda tmp: _write_build(tmp, compiled, report, ".cu"), out)
     print(f"{c.name}: B={b} J=K={j} I={c.hidden_size} H={c.num_heads} P={c.head_size} U={c.ffn_size} "
           f"{c.activation} {c.layer_norm}-LN {c.dtype} mask={c.mask} target=cuda ({c.cuda_arch})")
     print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")
@@ -161,17 +164,7 @@ def cmd_compile(args) -> int:
         "repeats": args.repeats,
     }
 
-    def write(tmp):
-        fwd.save(os.path.join(tmp, "forward.sdfg"))
-        bwd.save(os.path.join(tmp, "backward.sdfg"))
-        for phase, src in compiled.sources.items():
-            with open(os.path.join(tmp, f"{phase}.cpp"), "w") as f:
-                f.write(src)
-        shutil.copy(compiled.forward.path, os.path.join(tmp, "forward.so"))
-        shutil.copy(compiled.backward.path, os.path.join(tmp, "backward.so"))
-        with open(os.path.join(tmp, "report.json"), "w") as f:
-            json.dump(report, f, indent=2)
-    publish_dir(write, out)
+    publish_dir(lambda tmp: _write_build(tmp, compiled, report, ".cpp"), out)
     c = config
     print(f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
           f"U={c.ffn_size} {c.activation} {c.layer_norm}-LN {c.dtype} mask={c.mask}")
