@@ -256,6 +256,10 @@ class _Emitter:
         self.indent -= 1
         self.w("}")
 
+#: Rows a float column reduction sums in float before adding into its double accumulator.
+COLUMN_BLOCK = 32
+
+
 def dropout_constants(p: float) -> tuple[int, float]:
     """(threshold, scale) of inverted dropout with probability ``p`` on 16 random bits: an element is
     kept when its bits are >= threshold = round(p * 2^16) (so p is rounded to a multiple of 2^-16)
@@ -379,10 +383,16 @@ class _RowKernel:
                 self.w(f"{T}* __restrict__ buf_{t} = bufs_.data() + (size_t){k} * nn_;")
         q = 0
         self.acc = {}
+        # float layers sum columns over blocks of rows in float (small, cache-resident), then in double.
+        blocked = ncol and T == "float"
+        if blocked:
+            self.w(f"std::vector<float> blk_((size_t){ncol} * nn_, 0.0f);")
         for m in self.column:
             for conn, (t, _) in sorted(m["outputs"].items()):
-                self.acc[t] = f"acc_{t}"
                 self.w(f"double* __restrict__ acc_{t} = part_.data() + ((size_t)t_ * {ncol} + {q}) * nn_;")
+                if blocked:
+                    self.w(f"float* __restrict__ blk_{t} = blk_.data() + (size_t){q} * nn_;")
+                self.acc[t] = f"blk_{t}" if blocked else f"acc_{t}"
                 q += 1
         self.w("const int64_t lo_ = nrows_ * t_ / nt_, hi_ = nrows_ * (t_ + 1) / nt_;")
         self.w("for (int64_t row_ = lo_; row_ < hi_; ++row_) {")
@@ -401,6 +411,10 @@ class _RowKernel:
             self.em.indent -= 1
             self.w("}")
             self.ready.update(t for t, _ in m["outputs"].values())
+        if blocked:
+            self.w(f"if (((row_ - lo_) & {COLUMN_BLOCK - 1}) == {COLUMN_BLOCK - 1} || row_ == hi_ - 1) {{")
+            self.inner([f"acc_{t}[n_] += blk_{t}[n_]; blk_{t}[n_] = 0.0f;" for t in self.acc])
+            self.w("}")
         self.em.indent -= 1
         self.w("}")
         self.em.indent -= 1
@@ -532,7 +546,7 @@ class _RowKernel:
         mu, r = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
         dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
         self.w(f"const double mu_ = {mu}, r_ = {r};")
-        self.inner([f"{self.acc[dg]}[n_] += (double){dy} * (({x} - mu_) * r_);", f"{self.acc[db]}[n_] += {dy};"])
+        self.inner([f"{self.acc[dg]}[n_] += {dy} * ({self.T})(({x} - mu_) * r_);", f"{self.acc[db]}[n_] += {dy};"])
 
 
 def _numel(dims: str) -> str:
