@@ -317,7 +317,6 @@ class _RowKernel:
                 seen[t] = i
                 if m["kind"] == "softmax" and t not in self.buffers:
                     self.buffers.append(t)
-        self.lines_ = em
 
     # helpers ------------------------------------------------------------------------------------
     def w(self, line: str = "") -> None:

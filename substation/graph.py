@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Iterator
-
 import dace
 import dace.library
 import networkx as nx
@@ -32,7 +30,6 @@ DIMENSIONS = {"B": "batch", "J": "query position", "K": "key position", "H": "he
               "I": "hidden size", "U": "feed-forward size", "T": "Q/K/V stack (size 3)"}
 #: Sizes fixed when code is generated (the rest, B, J, K, are runtime arguments).
 STATIC_DIMENSIONS = ("H", "P", "I", "U")
-RUNTIME_DIMENSIONS = ("B", "J", "K")
 
 OP_CLASSES = ("TC", "SN", "EW")
 _NO_DEBUGINFO = dace.dtypes.DebugInfo(0)
@@ -168,9 +165,6 @@ class LayerGraph:
             if op.label == name:
                 return op
         raise KeyError(f"no operator named {name!r} in the {self.phase} graph")
-
-    def by_role(self, role: str) -> list[TensorInfo]:
-        return [t for t in self.tensors.values() if t.role == role]
 
     def save(self, path: str) -> None:
         """Write the SDFG as a ``.sdfg`` file (viewable in DaCe's viewer)."""
@@ -339,9 +333,3 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
         g.op("residual2", "add", "EW", {"a": ffn_out, "b": residual}, {"y": "Y"})
     return g.finish()
 
-
-def iter_accesses(access: str) -> Iterator[tuple[int, str]]:
-    """(position, letter) for every non-fixed position of an access string."""
-    for i, c in enumerate(access):
-        if not c.isdigit():
-            yield i, c

@@ -957,10 +957,6 @@ class LayoutPlan:
     transposes: list = dataclasses.field(default_factory=list)
     meta: dict = dataclasses.field(default_factory=dict)
 
-    def is_default(self) -> bool:
-        """True when the plan lists nothing to change (no layouts, kernel options or transposes)."""
-        return not self.transposes and not self.kernels and not self.tensors
-
     def to_dict(self) -> dict:
         """The plan as plain data (the JSON file's content)."""
         return {"format": PLAN_FORMAT, **self.meta, "tensors": self.tensors, "kernels": self.kernels,
