@@ -45,7 +45,8 @@ import re
 
 import sympy
 
-from .codegen import LayoutError, _cxx, _resolve, dropout_constants, plan_contraction, row_kernel_space
+from .codegen import (LayoutError, _cxx, _records, _resolve, dropout_constants, plan_contraction,
+                      row_kernel_space, stat_tensors)
 from .graph import STATIC_DIMENSIONS, LayerGraph, Operator
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "dropout_keep_mask", "STORAGE_TYPES", "COMPUTE_DTYPES",
@@ -70,32 +71,10 @@ def _letters(access: str) -> frozenset:
     return frozenset(c for c in access if not c.isdigit())
 
 
-def _records(graph: LayerGraph, op: Operator) -> list[dict]:
-    if op.kind == "fused":
-        return op.attrs["ops"]
-    return [{"name": op.label, "kind": op.kind, "attrs": op.attrs, "inputs": graph.inputs_of(op),
-             "outputs": graph.outputs_of(op)}]
-
-
-def stat_tensors(graph: LayerGraph) -> set[str]:
-    """Names of the layer-norm statistics tensors of ``graph`` (forward outputs ``mean``/``rstd`` of a
-    layer norm, backward inputs ``mean``/``rstd`` of its gradients), shape [B, J]."""
-    names = set()
-    for op in graph.operators():
-        if op.op_class == "TC":
-            continue
-        for m in _records(graph, op):
-            if m["kind"] == "layer_norm":
-                names.update(t for c, (t, _) in m["outputs"].items() if c in ("mean", "rstd"))
-            elif m["kind"] in ("layer_norm_grad", "layer_norm_param_grad"):
-                names.update(t for c, (t, _) in m["inputs"].items() if c in ("mean", "rstd"))
-    return names & set(graph.tensors)
-
-
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except layer-norm
-    statistics (:func:`stat_tensors`), which have the compute dtype (float32 for float16/bfloat16
-    layers), so that backward recomputes normalized values from exact statistics."""
+    statistics (:func:`~substation.codegen.stat_tensors`), which have the compute dtype (float32 for
+    float16/bfloat16 layers), so that backward recomputes normalized values from exact statistics."""
     dt = graph.config.dtype
     stats = stat_tensors(graph)
     return {n: (COMPUTE_DTYPES[dt] if n in stats else dt) for n in graph.tensors}

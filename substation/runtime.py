@@ -83,10 +83,11 @@ class CompiledGraph:
         self._ws.restype = ctypes.c_int64
         self.dtype = ALL_TORCH_DTYPES[graph.config.dtype]
         #: dtype of each argument tensor (CUDA builds keep layer-norm statistics in float32).
-        self.dtypes = {t.name: self.dtype for t in self.args}
-        if self.target != "cpu":
+        if self.target == "cpu":
+            from .codegen import tensor_dtypes
+        else:
             from .codegen_cuda import tensor_dtypes
-            self.dtypes.update({n: ALL_TORCH_DTYPES[d] for n, d in tensor_dtypes(graph).items() if n in self.dtypes})
+        self.dtypes = {t.name: ALL_TORCH_DTYPES[tensor_dtypes(graph)[t.name]] for t in self.args}
         # Temporaries live only during a call: one workspace is reused (fresh pages would fault
         # on every call); a concurrent call from another thread gets its own.
         self._workspace = torch.empty(0, dtype=torch.uint8)

@@ -293,14 +293,8 @@ def test_layer_norm_large_mean_tiny_variance(config, forward_tol):
             assert e <= 2 * rel(torch32[name], want[name]) + 1e-6, (name, e)
 
 
-@pytest.mark.xfail(strict=True, reason="substation/codegen.py _layer_norm stores the row mean in the layer's dtype "
-                                       "((T)mu_ into layer_norm{1,2}_mean); in float32 the backward "
-                                       "(_layer_norm_grad, _layer_norm_param_grad) recomputes x - mean with a mean "
-                                       "rounded by up to 5e-4 at 1e4, 5% of the row's std 1e-2, so dnorm1_weight is "
-                                       "off "
-                                       "by ~2e-2 and dX by ~8e-4 (PyTorch float32: 4e-2, 8e-3) although the forward is "
-                                       "exact to 1e-7")
 def test_layer_norm_large_mean_tiny_variance_float32_gradients_accurate():
+    """Layer-norm statistics are kept in float64, so backward recomputes x - mean exactly."""
     layer = make_layer(ODD32)
     with torch.no_grad():
         for n in ("in_proj_weight", "out_proj_weight", "out_proj_bias"):
