@@ -58,6 +58,7 @@ class Toolchain:
     blas_version: str
 
     def link_args(self) -> list[str]:
+        """Linker arguments for MKL (rpath, library folders, versioned library files)."""
         dirs = sorted({os.path.dirname(p) for p in self.blas_libs})
         return ([f"-Wl,-rpath,{d}" for d in dirs] + [f"-L{d}" for d in dirs]
                 + [f"-l:{os.path.basename(p)}" for p in self.blas_libs] + ["-lm", "-ldl", "-lpthread"])

@@ -101,6 +101,7 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
 
 
 def cmd_compile(args) -> int:
+    """``substation compile``: run the pipeline, check against PyTorch, time, write the output folder."""
     import torch
     from tqdm import tqdm
 
@@ -185,6 +186,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_graphs(args) -> int:
+    """``substation graphs``: write the unfused and fused SDFGs of the reference configs."""
     from .config import load_config
     from .pipeline import compile_graphs
 
@@ -324,6 +326,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``substation`` command."""
     parser = argparse.ArgumentParser(prog="substation", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("compile", help="compile a config; write graphs, sources, libraries and a report")

@@ -128,6 +128,7 @@ class LayerGraph:
 
     @property
     def state(self) -> dace.SDFGState:
+        """The SDFG's single state, which holds every operator."""
         return self.sdfg.nodes()[0]
 
     def operators(self) -> list[Operator]:
@@ -150,9 +151,11 @@ class LayerGraph:
         return res
 
     def inputs_of(self, op: Operator) -> dict[str, tuple[str, str]]:
+        """Input connector -> (tensor name, access string) of ``op``."""
         return {e.dst_conn: (e.data.data, op.accesses[e.dst_conn]) for e in self.state.in_edges(op)}
 
     def outputs_of(self, op: Operator) -> dict[str, tuple[str, str]]:
+        """Output connector -> (tensor name, access string) of ``op``."""
         return {e.src_conn: (e.data.data, op.accesses[e.src_conn]) for e in self.state.out_edges(op)}
 
     def find(self, name: str) -> Operator:
@@ -245,6 +248,7 @@ class GraphBuilder:
         return ", ".join(c if c.isdigit() else f"0:{d if d != 'T' else 3}" for c, d in zip(access, dims))
 
     def finish(self) -> LayerGraph:
+        """The built :class:`LayerGraph`."""
         return LayerGraph(self.sdfg, self.tensors, self.phase, self.config)
 
 

@@ -45,10 +45,12 @@ class FusionOptions:
     horizontal: bool = True
 
     def to_json(self) -> str:
+        """The options as JSON text."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "FusionOptions":
+        """Options from :meth:`to_json` text."""
         return cls(**json.loads(text))
 
 
@@ -64,6 +66,7 @@ class _Op:
     attrs: dict
 
     def to_dict(self) -> dict:
+        """The record as plain data (a fused operator's ``attrs['ops']`` entry)."""
         return {"name": self.name, "kind": self.kind, "op_class": self.op_class,
                 "inputs": {c: list(v) for c, v in self.inputs.items()},
                 "outputs": {c: list(v) for c, v in self.outputs.items()}, "attrs": self.attrs}
@@ -123,6 +126,8 @@ class FuseOperators:
         return full, inner
 
     def can_be_applied(self, group: list[str], name: str) -> bool:
+        """Whether operator ``name`` may join ``group`` (same space, agreeing inner letters, convex, no
+        read of a column reduction of the group). Pure: changes nothing."""
         op = self.ops[name]
         if op.op_class == "TC" or any(self.ops[g].op_class == "TC" for g in group):
             return False
@@ -158,6 +163,8 @@ class FuseOperators:
         return {o.name for o in self.ops.values() for t, _ in o.inputs.values() if t == tensor}
 
     def candidates(self, groups: list[list[str]], name: str) -> list[int]:
+        """Indices of the groups that produce an input of ``name`` (vertical) or read one of its inputs
+        (horizontal), as the options allow."""
         op = self.ops[name]
         ins = {t for t, _ in op.inputs.values()}
         res = []
@@ -169,6 +176,7 @@ class FuseOperators:
         return res
 
     def apply(self, group: list[str], name: str) -> None:
+        """Add ``name`` to ``group``."""
         group.append(name)
 
 
