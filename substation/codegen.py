@@ -301,6 +301,8 @@ class _RowKernel:
         self.em, self.graph, self.T = em, em.graph, em.T
         self.members = members
         self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
+        self.pending: list | None = None  # loops collected inside a row (None: write at once)
+        self.prelude: list[str] = []
         self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
         # Which produced tensors later members read (or softmax needs as scratch): buffered.
         self.buffers, self.scalars = [], []
@@ -341,18 +343,56 @@ class _RowKernel:
         return res
 
     def inner(self, stmts, reduction: str = "") -> None:
-        """Loops over the inner letters N with ``n_`` the row-buffer index; ``stmts`` may be a callable."""
+        """A loop over the inner letters N (``n_`` is the row-buffer index); ``stmts`` may be a
+        callable. Inside a row, loops are collected and consecutive ones run as one loop (see
+        :meth:`flush`); elsewhere the loop is written at once."""
+        body = list(stmts() if callable(stmts) else stmts)
+        if self.pending is None:
+            self._loop([body], [reduction] if reduction else [])
+        else:
+            self.pending.append((body, reduction))
+
+    def pre(self, line: str) -> None:
+        """A row-level statement that does not depend on the loops collected so far (a load or a
+        declaration): it is placed before them, so they can merge with the ones that follow."""
+        if self.pending is None:
+            self.w(line)
+        else:
+            self.prelude.append(line)
+
+    def stmt(self, line: str) -> None:
+        """A row-level statement that depends on the collected loops (or opens/closes a block)."""
+        self.flush()
+        self.w(line)
+
+    def flush(self) -> None:
+        """Write the collected preludes, then the collected loops merged into one loop: every loop of a
+        row kernel runs over the same inner letters and touches element ``n_`` only, so running their
+        bodies one after another per element keeps each element's order of operations."""
+        for line in self.prelude:
+            self.w(line)
+        self.prelude = []
+        if self.pending:
+            self._loop([b for b, _ in self.pending], [r for _, r in self.pending if r])
+        self.pending = []
+
+    def _loop(self, bodies: list[list[str]], reductions: list[str]) -> None:
         for k, c in enumerate(self.N):
             if k == len(self.N) - 1:
-                self.w(f"#pragma omp simd{' reduction(' + reduction + ')' if reduction else ''}")
+                self.w("#pragma omp simd" + "".join(f" reduction({r})" for r in reductions))
             self.w(f"for (int64_t i_{c} = 0; i_{c} < {_size(c)}; ++i_{c}) {{")
             self.em.indent += 1
         lin = "0"
         for c in self.N:
             lin = f"i_{c}" if lin == "0" else f"({lin}) * {_size(c)} + i_{c}"
         self.w(f"const int64_t n_ = {lin}; (void)n_;")
-        for line in (stmts() if callable(stmts) else stmts):
-            self.w(line)
+        for body in bodies:
+            if len(bodies) > 1:
+                self.w("{")
+            for line in body:
+                self.w(("  " if len(bodies) > 1 else "") + line)
+            if len(bodies) > 1:
+                self.w("}")
         for _ in self.N:
             self.em.indent -= 1
             self.w("}")
@@ -399,13 +439,14 @@ class _RowKernel:
         for t in self.scalars:
             self.w(f"double sc_{t} = 0;")
         self.ready: set[str] = set()
-        for m in self.members:
-            self.w(f"{{  // {m['name']} ({m['kind']})")
-            self.em.indent += 1
+        self.pending = []
+        for k, m in enumerate(self.members):
+            self.k = k  # row-level names of member k end in f"{k}_"
+            self.pre(f"// {m['name']} ({m['kind']})")
             getattr(self, f"_{m['kind']}")(m, m["attrs"])
-            self.em.indent -= 1
-            self.w("}")
             self.ready.update(t for t, _ in m["outputs"].values())
+        self.flush()
+        self.pending = None
         if blocked:
             self.w(f"if (((row_ - lo_) & {COLUMN_BLOCK - 1}) == {COLUMN_BLOCK - 1} || row_ == hi_ - 1) {{")
             self.inner([f"acc_{t}[n_] += blk_{t}[n_]; blk_{t}[n_] = 0.0f;" for t in self.acc])
@@ -458,18 +499,18 @@ class _RowKernel:
             return res
         scale = f"({self.T}){scale!r}"
         # Two loops rather than a test per element: eval mode copies.
-        self.w("if (training) {")
+        self.stmt("if (training) {")
         if self.row_random(m):
             # The row's random index is contiguous: one Philox block per eight elements.
-            self.w(f"const ss::bits16_t* rw_ = ss::random_row(seed, {attrs['stream']}u, "
-                   f"(uint64_t)({index(True)}), nn_, rnd_.data());")
+            self.stmt(f"const ss::bits16_t* rw_ = ss::random_row(seed, {attrs['stream']}u, "
+                      f"(uint64_t)({index(True)}), nn_, rnd_.data());")
             self._ew(m, f"ss::dropout(v_x, rw_[n_], {threshold}u, {scale})")
         else:
             self._ew(m, f"ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
                         f"{threshold}u, {scale})")
-        self.w("} else {")
+        self.stmt("} else {")
         self._ew(m, "v_x")
-        self.w("}")
+        self.stmt("}")
 
     def row_random(self, m) -> bool:
         """Whether dropout member ``m`` draws its random words per row (its random index runs
@@ -482,53 +523,62 @@ class _RowKernel:
     def _activation_grad(self, m, attrs):
         self._ew(m, f"v_dy * ss::{attrs['function']}_grad(v_x)")
 
+    def _names(self, *bases: str) -> list[str]:
+        """Row-level variable names private to the current member."""
+        return [f"{b}{self.k}_" for b in bases]
+
     def _softmax(self, m, attrs):
         x = self.read(*m["inputs"]["x"])
         y, ya = m["outputs"]["y"]
         T = self.T
-        self.w(f"{T} mx_ = ({T})(-INFINITY);")
-        self.inner([f"mx_ = std::max(mx_, ({T}){x});"], "max:mx_")
-        self.w(f"if (mx_ == ({T})(-INFINITY)) {{  // every key masked: probabilities are 0")
+        mx, sm, inv = self._names("mx", "s", "inv")
+        self.pre(f"{T} {mx} = ({T})(-INFINITY);")
+        self.inner([f"{mx} = std::max({mx}, ({T}){x});"], f"max:{mx}")
+        self.stmt(f"if ({mx} == ({T})(-INFINITY)) {{  // every key masked: probabilities are 0")
         self.inner(self.put(y, ya, f"({T})0"))
-        self.w("} else {")
-        self.w("double s_ = 0;")
-        self.inner([f"const {T} e_ = ss::exp_(({T}){x} - mx_);", f"buf_{y}[n_] = e_;", "s_ += e_;"], "+:s_")
-        self.w(f"const {T} inv_ = ({T})(1.0 / s_);")
-        self.inner([f"const {T} v_ = buf_{y}[n_] * inv_;"] + self.put(y, ya, "v_"))
-        self.w("}")
+        self.stmt("} else {")
+        self.pre(f"double {sm} = 0;")
+        self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
+        self.stmt(f"const {T} {inv} = ({T})(1.0 / {sm});")
+        self.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + self.put(y, ya, "v_"))
+        self.stmt("}")
 
     def _softmax_grad(self, m, attrs):
         dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])
         t, a = m["outputs"]["y"]
-        self.w("double dot_ = 0;")
-        self.inner([f"dot_ += (double){dy} * {pr};"], "+:dot_")
-        self.inner([f"const {self.T} v_ = {pr} * ({dy} - ({self.T})dot_);"] + self.put(t, a, "v_"))
+        dot, = self._names("dot")
+        self.pre(f"double {dot} = 0;")
+        self.inner([f"{dot} += (double){dy} * {pr};"], f"+:{dot}")
+        self.flush()
+        self.inner([f"const {self.T} v_ = {pr} * ({dy} - ({self.T}){dot});"] + self.put(t, a, "v_"))
 
     def _layer_norm(self, m, attrs):
         x = self.read(*m["inputs"]["x"])
         g, b = self.read(*m["inputs"]["gamma"]), self.read(*m["inputs"]["beta"])
         (y, ya), (mt, ma), (rt, ra) = m["outputs"]["y"], m["outputs"]["mean"], m["outputs"]["rstd"]
-        self.w("double s_ = 0;")
-        self.inner([f"s_ += {x};"], "+:s_")
-        self.w("const double mu_ = s_ / nn_;")
-        self.w("double v2_ = 0;")
-        self.inner([f"const double d_ = {x} - mu_;", "v2_ += d_ * d_;"], "+:v2_")
-        self.w(f"const double r_ = 1.0 / std::sqrt(v2_ / nn_ + {attrs['eps']!r});")
-        for line in self.put(mt, ma, "mu_") + self.put(rt, ra, "r_"):
-            self.w(line)
-        self.inner([f"const {self.T} v_ = ({self.T})(({x} - mu_) * r_) * {g} + {b};"] + self.put(y, ya, "v_"))
+        sm, mu, v2, r = self._names("s", "mu", "v2", "r")
+        self.pre(f"double {sm} = 0;")
+        self.inner([f"{sm} += {x};"], f"+:{sm}")
+        self.stmt(f"const double {mu} = {sm} / nn_;")
+        self.pre(f"double {v2} = 0;")
+        self.inner([f"const double d_ = {x} - {mu};", f"{v2} += d_ * d_;"], f"+:{v2}")
+        self.stmt(f"const double {r} = 1.0 / std::sqrt({v2} / nn_ + {attrs['eps']!r});")
+        for line in self.put(mt, ma, mu) + self.put(rt, ra, r):
+            self.stmt(line)
+        self.inner([f"const {self.T} v_ = ({self.T})(({x} - {mu}) * {r}) * {g} + {b};"] + self.put(y, ya, "v_"))
 
     def _layer_norm_grad(self, m, attrs):
         dy, x, g = (self.read(*m["inputs"][k]) for k in ("dy", "x", "gamma"))
-        mu, r = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
+        mu_in, r_in = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
         t, a = m["outputs"]["y"]
-        self.w(f"const double mu_ = {mu}, r_ = {r};")
-        self.w("double s1_ = 0, s2_ = 0;")
-        self.inner([f"const double gd_ = (double){g} * {dy};", "s1_ += gd_;",
-                    f"s2_ += gd_ * (({x} - mu_) * r_);"], "+:s1_,s2_")
-        self.w("s1_ /= nn_; s2_ /= nn_;")
+        mu, r, s1, s2 = self._names("mu", "r", "s1", "s2")
+        self.pre(f"const double {mu} = {mu_in}, {r} = {r_in};")
+        self.pre(f"double {s1} = 0, {s2} = 0;")
+        self.inner([f"const double gd_ = (double){g} * {dy};", f"{s1} += gd_;",
+                    f"{s2} += gd_ * (({x} - {mu}) * {r});"], f"+:{s1},{s2}")
+        self.stmt(f"{s1} /= nn_; {s2} /= nn_;")
         self.inner([f"const double gd_ = (double){g} * {dy};",
-                    f"const {self.T} v_ = ({self.T})(r_ * (gd_ - s1_ - (({x} - mu_) * r_) * s2_));"]
+                    f"const {self.T} v_ = ({self.T})({r} * (gd_ - {s1} - (({x} - {mu}) * {r}) * {s2}));"]
                    + self.put(t, a, "v_"))
 
     def _bias_grad(self, m, attrs):
@@ -538,11 +588,11 @@ class _RowKernel:
 
     def _layer_norm_param_grad(self, m, attrs):
         dy, x = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["x"])
-        mu, r = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
+        mu_in, r_in = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
         dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
-        self.w(f"const double mu_ = {mu}, r_ = {r};")
-        self.inner([f"{self.acc[dg]}[n_] += {dy} * ({self.T})(({x} - mu_) * r_);", f"{self.acc[db]}[n_] += {dy};"])
-
+        mu, r = self._names("mu", "r")
+        self.pre(f"const double {mu} = {mu_in}, {r} = {r_in};")
+        self.inner([f"{self.acc[dg]}[n_] += {dy} * ({self.T})(({x} - {mu}) * {r});", f"{self.acc[db]}[n_] += {dy};"])
 
 def _numel(dims: str) -> str:
     return " * ".join(_size(d) for d in dims)
