@@ -233,8 +233,8 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
         return EncoderConfig.from_dict(source)
     path = os.fspath(source)
     if not os.path.exists(path):
-        bundled = os.path.join(bundled_configs_dir(), f"{path}.yaml")
-        if os.path.sep not in path and os.path.exists(bundled):
+        bundled = bundled_file(path, ".yaml")
+        if os.path.sep not in path and bundled is not None:
             path = bundled
         else:
             raise FileNotFoundError(f"config file not found: {path}")
@@ -251,3 +251,9 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
 def bundled_configs_dir() -> str:
     """The ``configs/`` folder shipped with the repository."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def bundled_file(name: str, suffix: str) -> str | None:
+    """``configs/<name><suffix>`` if the repository ships it (e.g. ``bert-base`` + ``.yaml``), else None."""
+    path = os.path.join(bundled_configs_dir(), f"{name}{suffix}")
+    return path if os.path.exists(path) else None

@@ -87,7 +87,8 @@ class CompiledGraph:
             from .codegen import tensor_dtypes
         else:
             from .codegen_cuda import tensor_dtypes
-        self.dtypes = {t.name: ALL_TORCH_DTYPES[tensor_dtypes(graph)[t.name]] for t in self.args}
+        dtypes = tensor_dtypes(graph)
+        self.dtypes = {t.name: ALL_TORCH_DTYPES[dtypes[t.name]] for t in self.args}
         # Temporaries live only during a call: one workspace is reused (fresh pages would fault
         # on every call); a concurrent call from another thread gets its own.
         self._workspace = torch.empty(0, dtype=torch.uint8)

@@ -46,6 +46,7 @@ import os
 import time
 from typing import Callable, Iterable, Mapping
 
+from ..config import bundled_file
 from ..graph import GraphBuilder, LayerGraph, Operator
 
 __all__ = [
@@ -1025,9 +1026,6 @@ class LayoutPlan:
             return cls.from_json(f.read())
 
 
-_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-
-
 def default_plan() -> LayoutPlan:
     """The plan that keeps PyTorch's layouts everywhere."""
     return LayoutPlan(meta={"description": "PyTorch's layouts everywhere; codegen picks its own loops"})
@@ -1048,10 +1046,8 @@ def load_plan(plan) -> LayoutPlan | None:
         return LayoutPlan.from_dict(plan)
     path = os.fspath(plan)
     if not os.path.exists(path):
-        bundled = os.path.join(_CONFIGS_DIR, f"{path}.plan.json")
-        if os.path.exists(bundled):
-            path = bundled
-        else:
+        path = bundled_file(path, ".plan.json")
+        if path is None:
             raise FileNotFoundError(f"no layout plan {plan!r} (neither a file nor configs/{plan}.plan.json)")
     return LayoutPlan.load(path)
 
