@@ -25,10 +25,12 @@ and :func:`plot_report` present the result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import inspect
 import json
 import math
+import os
 import statistics
 import time
 from typing import Callable, Mapping
@@ -506,6 +508,59 @@ def copy_bandwidth(buffer_bytes: int | None = None, repeats: int = 10) -> tuple[
         if r >= 2:
             times.append(dt)
     return 2 * n * 8 / statistics.median(times), n * 8
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_library():
+    """The machine-probe library (``csrc/substation_probe.cpp``), built through the build cache."""
+    import ctypes
+
+    from .build import _HEADER_DIR, build_library
+
+    with open(os.path.join(_HEADER_DIR, "substation_probe.cpp")) as f:
+        lib = ctypes.CDLL(build_library(f.read(), "probe").path)
+    lib.substation_probe_gemm_seconds.restype = ctypes.c_double
+    lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    lib.substation_probe_fma_flops.restype = ctypes.c_double
+    lib.substation_probe_fma_flops.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    return lib
+
+
+def _probe_dtype(dtype: str) -> int:
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be float32 or float64 (the CPU target's dtypes), got {dtype!r}")
+    return int(dtype == "float64")
+
+
+def gemm_rate(dtype: str = "float32", n: int = 2048, repeats: int = 3) -> float:
+    """The BLAS's GEMM rate in flop/s: 2 n^3 / seconds of the fastest of ``repeats`` n x n x n
+    ``cblas_sgemm`` (``float32``) or ``cblas_dgemm`` (``float64``) calls of the library the generated
+    code links (MKL), on the generated code's OpenMP threads; one untimed call comes first.
+
+    Raises:
+        ValueError: another dtype, ``n`` < 1 or ``repeats`` < 1.
+        ToolchainError, BuildError: the probe library cannot be built.
+    """
+    use_double = _probe_dtype(dtype)
+    if n < 1 or repeats < 1:
+        raise ValueError(f"need n >= 1 and repeats >= 1, got {n} and {repeats}")
+    return 2.0 * n ** 3 / _probe_library().substation_probe_gemm_seconds(n, repeats, use_double)
+
+
+def fma_peak(dtype: str = "float32", iterations: int = 30_000_000, repeats: int = 3) -> float:
+    """The cores' fused-multiply-add peak in flop/s (2 flop per FMA lane), the best of ``repeats``
+    runs in which every OpenMP thread runs 12 independent chains of ``iterations`` FMAs on the widest
+    vectors of the build (AVX-512, AVX2 or scalar); an upper bound for any GEMM of ``dtype`` on
+    these threads.
+
+    Raises:
+        ValueError: another dtype, ``iterations`` < 1 or ``repeats`` < 1.
+        ToolchainError, BuildError: the probe library cannot be built.
+    """
+    use_double = _probe_dtype(dtype)
+    if iterations < 1 or repeats < 1:
+        raise ValueError(f"need iterations >= 1 and repeats >= 1, got {iterations} and {repeats}")
+    return max(_probe_library().substation_probe_fma_flops(iterations, use_double) for _ in range(repeats))
 
 
 def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=None,

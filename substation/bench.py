@@ -40,7 +40,7 @@ from typing import Callable, Iterable
 __all__ = [
     "PASSES", "IMPLEMENTATIONS", "Candidate", "machine_info", "set_substation_threads", "padding_mask",
     "hf_bert_layer", "eager_baseline", "time_step", "interleaved_times", "time_forward_backward",
-    "saved_tensor_bytes", "run_bench", "kernel_table", "format_bench", "format_kernels", "plot_bench",
+    "saved_tensor_bytes", "run_bench", "time_limit", "kernel_table", "format_bench", "format_kernels", "plot_bench",
     "plot_kernels", "write_json",
 ]
 
@@ -492,6 +492,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
                          "saved_for_backward_bytes": int(nbytes), "saved_for_backward_storages": int(count)}
     med = {n: {p: impls[n]["seconds"][p]["median"] for p in PASSES} for n in impls}
     sub = med["substation"]["forward_backward"]
+    say("limit: BLAS GEMM rate, FMA peak and copy bandwidth")
+    limit = time_limit(config, {n: med[n]["forward_backward"] for n in med})
     result = {
         "schema": SCHEMA,
         "config": config.to_dict(),
@@ -509,8 +511,50 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         "speedup_vs_eager": med["eager"]["forward_backward"] / sub,
         "speedup_vs_compile": med["compile"]["forward_backward"] / sub if "compile" in med else None,
         "max_rel_error_vs_eager": rel_err,
+        "limit": limit,
     }
     return result
+
+
+def time_limit(config, measured_seconds: dict | None = None) -> dict:
+    """The analysis' lower bound on one forward+backward step of ``config``, from rates measured now:
+    contraction flop at the BLAS's GEMM rate plus the SN/EW kernels' required bytes at the copy bandwidth.
+
+    ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
+    graphs' counts (:func:`substation.analysis.analyze`), :func:`~substation.analysis.gemm_rate` (the
+    fastest 2048^3 GEMM of the linked BLAS), :func:`~substation.analysis.copy_bandwidth` (DRAM-sized
+    buffers; kernels whose data stay in cache can beat it) and, as the hardware's ceiling for the
+    contractions, :func:`~substation.analysis.fma_peak` (``fma_limit_seconds`` puts the flop at that
+    peak instead). All on the current OpenMP thread count.
+
+    Args:
+        config: an :class:`~substation.EncoderConfig` (sizes as benchmarked).
+        measured_seconds: implementation name -> measured forward+backward seconds; each gets
+            ``fraction_of_limit`` (limit / measured) and ``speedup_at_limit`` (measured / limit: the
+            largest speedup over it that a layer running at the limit would show).
+
+    Returns:
+        Plain data: ``contraction_flop`` (flop), ``memory_bound_bytes`` (bytes), ``gemm_rate``,
+        ``fma_peak`` (flop/s), ``copy_bandwidth`` (bytes/s), ``limit_seconds``, ``fma_limit_seconds``,
+        ``per_implementation`` (see above).
+
+    Raises:
+        ToolchainError, BuildError: the probe library cannot be built.
+    """
+    from .analysis import analyze, copy_bandwidth, fma_peak, gemm_rate
+
+    an = analyze(config, optimized=True)
+    flop = an.total("total", "TC")["flop"]
+    nbytes = an.total("total", "SN")["bytes"] + an.total("total", "EW")["bytes"]
+    rate, peak = gemm_rate(config.dtype), fma_peak(config.dtype)
+    bw, buffer_bytes = copy_bandwidth()
+    limit = flop / rate + nbytes / bw
+    per = {name: {"seconds": secs, "fraction_of_limit": limit / secs, "speedup_at_limit": secs / limit}
+           for name, secs in (measured_seconds or {}).items()}
+    return {"contraction_flop": int(flop), "memory_bound_bytes": int(nbytes), "gemm_rate": rate,
+            "gemm_probe": "fastest of 3 calls, 2048^3, after one untimed call", "fma_peak": peak,
+            "copy_bandwidth": bw, "copy_buffer_bytes": buffer_bytes, "limit_seconds": limit,
+            "fma_limit_seconds": flop / peak + nbytes / bw, "per_implementation": per}
 
 
 def _load():
@@ -621,6 +665,16 @@ def format_bench(r: dict) -> str:
     sc = r["speedup_vs_compile"]
     lines.append(f"speedup_vs_eager {r['speedup_vs_eager']:.3f}x, speedup_vs_compile "
                  + (f"{sc:.3f}x" if sc is not None else "- (torch.compile skipped)") + " (forward+backward)")
+    lim = r.get("limit")
+    if lim:
+        per = lim["per_implementation"]
+        lines.append(f"limit (measured now): {lim['contraction_flop'] / 1e9:.2f} GFLOP of contractions at the BLAS's "
+                     f"{lim['gemm_rate'] / 1e9:.0f} GFLOP/s + {lim['memory_bound_bytes'] / 1e6:.0f} MB of SN/EW "
+                     f"bytes at {lim['copy_bandwidth'] / 1e9:.1f} GB/s = {lim['limit_seconds'] * 1e3:.1f} ms "
+                     f"(at the FMA peak {lim['fma_peak'] / 1e9:.0f} GFLOP/s: {lim['fma_limit_seconds'] * 1e3:.1f} ms)")
+        others = ", ".join(f"{v['speedup_at_limit']:.3f}x {_NAMES.get(n, n)}" for n, v in per.items() if n != "substation")
+        lines.append(f"  Substation at {per['substation']['fraction_of_limit'] * 100:.0f}% of the limit; "
+                     f"a layer at the limit would be {others}")
     return "\n".join(lines)
 
 

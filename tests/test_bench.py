@@ -15,7 +15,9 @@ from substation.config import load_config
 PASSES = ("forward", "backward", "forward_backward")
 TOP_KEYS = {"schema", "config", "batch_size", "seq_len", "dtype", "layout", "mode", "dropout", "mask", "threads",
             "machine", "repeats", "warmup", "implementations", "median_seconds", "speedup_vs_eager",
-            "speedup_vs_compile", "max_rel_error_vs_eager"}
+            "speedup_vs_compile", "max_rel_error_vs_eager", "limit"}
+LIMIT_KEYS = {"contraction_flop", "memory_bound_bytes", "gemm_rate", "gemm_probe", "fma_peak", "copy_bandwidth",
+              "copy_buffer_bytes", "limit_seconds", "fma_limit_seconds", "per_implementation"}
 IMPL_KEYS = {"label", "compile_seconds", "compile_method", "threads", "seconds", "saved_for_backward_bytes",
              "saved_for_backward_storages"}
 STAT_KEYS = {"median", "min", "max", "q1", "q3", "samples"}
@@ -53,6 +55,43 @@ def check_bench_json(r, impls, repeats, b, j):
     assert sub["compile_seconds"] > 0 and sub["build_seconds"]["forward"] > 0  # a cold build cache
     assert r["implementations"]["eager"]["compile_seconds"] is None
     assert r["max_rel_error_vs_eager"] < 1e-10  # identical weights (float64, eval mode)
+    check_limit(r["limit"], load_config(r["config"]), {n: med[n]["forward_backward"] for n in impls})
+
+
+def check_limit(lim, cfg, measured):
+    """The limit is the analysis' counts at the rates measured in the same run."""
+    from substation.analysis import analyze
+
+    an = analyze(cfg, optimized=True)
+    assert set(lim) == LIMIT_KEYS
+    assert lim["contraction_flop"] == an.total("total", "TC")["flop"] > 0
+    assert lim["memory_bound_bytes"] == an.total("total", "SN")["bytes"] + an.total("total", "EW")["bytes"] > 0
+    assert lim["gemm_rate"] > 0 and lim["fma_peak"] > 0 and lim["copy_bandwidth"] > 0
+    assert math.isclose(lim["limit_seconds"], lim["contraction_flop"] / lim["gemm_rate"]
+                        + lim["memory_bound_bytes"] / lim["copy_bandwidth"])
+    assert math.isclose(lim["fma_limit_seconds"], lim["contraction_flop"] / lim["fma_peak"]
+                        + lim["memory_bound_bytes"] / lim["copy_bandwidth"])
+    assert list(lim["per_implementation"]) == list(measured)
+    for name, v in lim["per_implementation"].items():
+        assert v["seconds"] == measured[name]
+        assert math.isclose(v["fraction_of_limit"] * v["speedup_at_limit"], 1.0)
+        assert math.isclose(v["fraction_of_limit"], lim["limit_seconds"] / measured[name])
+
+
+def test_machine_probes():
+    """The GEMM probe does the flop it claims (it is never above the FMA peak by more than noise) and
+    bad arguments are rejected by name."""
+    from substation.analysis import fma_peak, gemm_rate
+
+    for dtype in ("float32", "float64"):
+        peak, rate = fma_peak(dtype), gemm_rate(dtype, n=256)
+        assert peak > 0 and 0 < rate < 1.5 * peak, (dtype, peak, rate)
+    with pytest.raises(ValueError, match="dtype must be float32 or float64"):
+        gemm_rate("float16")
+    with pytest.raises(ValueError, match="n >= 1"):
+        gemm_rate("float32", n=0)
+    with pytest.raises(ValueError, match="iterations >= 1"):
+        fma_peak("float32", iterations=0)
 
 
 def test_bench_cli_with_torch_compile(tmp_path, capsys):
