@@ -410,8 +410,9 @@ class _RowKernel:
         self.w("{")
         self.em.indent += 1
         self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
-        if any(self.row_random(m) for m in self.members):
-            self.w("std::vector<uint32_t> rnd_((size_t)nn_ / 2 + 8);")
+        for k, m in enumerate(self.members):
+            if self.row_random(m):  # scratch of member k's random words (ss::random_row)
+                self.w(f"std::vector<uint32_t> rnd{k}_(ss::random_row_words(nn_));")
         if self.buffers:
             self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
             for k, t in enumerate(self.buffers):
@@ -498,19 +499,17 @@ class _RowKernel:
                 res = f"({res}) * {_size(c)} + {i}" if res else i
             return res
         scale = f"({self.T}){scale!r}"
-        # Two loops rather than a test per element: eval mode copies.
-        self.stmt("if (training) {")
         if self.row_random(m):
-            # The row's random index is contiguous: one Philox block per eight elements.
-            self.stmt(f"const ss::bits16_t* rw_ = ss::random_row(seed, {attrs['stream']}u, "
-                      f"(uint64_t)({index(True)}), nn_, rnd_.data());")
-            self._ew(m, f"ss::dropout(v_x, rw_[n_], {threshold}u, {scale})")
+            # The row's random index is contiguous: one Philox block per eight elements. Eval mode
+            # keeps every element (threshold 0, scale 1) through the same loop, so it merges with
+            # its neighbours.
+            rw, = self._names("rw")
+            self.pre(f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {attrs['stream']}u, "
+                     f"(uint64_t)({index(True)}), nn_, rnd{self.k}_.data()) : ss::keep_all_bits(rnd{self.k}_.data(), nn_);")
+            self._ew(m, f"ss::dropout(v_x, {rw}[n_], training ? {threshold}u : 0u, training ? {scale} : ({self.T})1)")
         else:
-            self._ew(m, f"ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(False)})), "
-                        f"{threshold}u, {scale})")
-        self.stmt("} else {")
-        self._ew(m, "v_x")
-        self.stmt("}")
+            self._ew(m, f"training ? ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, "
+                        f"(uint64_t)({index(False)})), {threshold}u, {scale}) : v_x")
 
     def row_random(self, m) -> bool:
         """Whether dropout member ``m`` draws its random words per row (its random index runs
@@ -537,7 +536,7 @@ class _RowKernel:
         self.stmt(f"if ({mx} == ({T})(-INFINITY)) {{  // every key masked: probabilities are 0")
         self.inner(self.put(y, ya, f"({T})0"))
         self.stmt("} else {")
-        self.pre(f"double {sm} = 0;")
+        self.pre(f"{T} {sm} = 0;")
         self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
         self.stmt(f"const {T} {inv} = ({T})(1.0 / {sm});")
         self.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + self.put(y, ya, "v_"))
@@ -547,39 +546,57 @@ class _RowKernel:
         dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])
         t, a = m["outputs"]["y"]
         dot, = self._names("dot")
-        self.pre(f"double {dot} = 0;")
-        self.inner([f"{dot} += (double){dy} * {pr};"], f"+:{dot}")
+        self.pre(f"{self.T} {dot} = 0;")
+        self.inner([f"{dot} += {dy} * {pr};"], f"+:{dot}")
         self.flush()
-        self.inner([f"const {self.T} v_ = {pr} * ({dy} - ({self.T}){dot});"] + self.put(t, a, "v_"))
+        self.inner([f"const {self.T} v_ = {pr} * ({dy} - {dot});"] + self.put(t, a, "v_"))
+
+    def _split_statistics(self, mu: str, r: str, rstd_known: bool = True):
+        """Declare ``{mu}h_``/``{mu}l_``, the double mean split into a head and a tail of the element type
+        (and, when ``rstd_known``, ``{r}t_``: the double rstd in that type) and return
+        ``xhat(x, scaled=True)``, the expression ``((x - head) - tail) [* {r}t_]``. ``x - head`` is exact
+        near the mean (Sterbenz), so float rows with a large mean and a small spread keep their
+        accuracy while every per-element operation stays in the element type (full SIMD width)."""
+        T = self.T
+        self.pre(f"const {T} {mu}h_ = ({T}){mu}, {mu}l_ = ({T})({mu} - (double){mu}h_);")
+        if rstd_known:
+            self.pre(f"const {T} {r}t_ = ({T}){r};")
+
+        def xhat(x: str, scaled: bool = True) -> str:
+            d = f"(({x} - {mu}h_) - {mu}l_)"
+            return f"{d} * {r}t_" if scaled else d
+        return xhat
 
     def _layer_norm(self, m, attrs):
         x = self.read(*m["inputs"]["x"])
         g, b = self.read(*m["inputs"]["gamma"]), self.read(*m["inputs"]["beta"])
         (y, ya), (mt, ma), (rt, ra) = m["outputs"]["y"], m["outputs"]["mean"], m["outputs"]["rstd"]
+        T = self.T
         sm, mu, v2, r = self._names("s", "mu", "v2", "r")
         self.pre(f"double {sm} = 0;")
         self.inner([f"{sm} += {x};"], f"+:{sm}")
         self.stmt(f"const double {mu} = {sm} / nn_;")
-        self.pre(f"double {v2} = 0;")
-        self.inner([f"const double d_ = {x} - {mu};", f"{v2} += d_ * d_;"], f"+:{v2}")
-        self.stmt(f"const double {r} = 1.0 / std::sqrt({v2} / nn_ + {attrs['eps']!r});")
+        xhat = self._split_statistics(mu, r, rstd_known=False)
+        self.pre(f"{T} {v2} = 0;")
+        self.inner([f"const {T} d_ = {xhat(x, scaled=False)};", f"{v2} += d_ * d_;"], f"+:{v2}")
+        self.stmt(f"const double {r} = 1.0 / std::sqrt((double){v2} / nn_ + {attrs['eps']!r});")
+        self.stmt(f"const {T} {r}t_ = ({T}){r};")
         for line in self.put(mt, ma, mu) + self.put(rt, ra, r):
             self.stmt(line)
-        self.inner([f"const {self.T} v_ = ({self.T})(({x} - {mu}) * {r}) * {g} + {b};"] + self.put(y, ya, "v_"))
+        self.inner([f"const {T} v_ = {xhat(x)} * {g} + {b};"] + self.put(y, ya, "v_"))
 
     def _layer_norm_grad(self, m, attrs):
         dy, x, g = (self.read(*m["inputs"][k]) for k in ("dy", "x", "gamma"))
         mu_in, r_in = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
         t, a = m["outputs"]["y"]
+        T = self.T
         mu, r, s1, s2 = self._names("mu", "r", "s1", "s2")
         self.pre(f"const double {mu} = {mu_in}, {r} = {r_in};")
-        self.pre(f"double {s1} = 0, {s2} = 0;")
-        self.inner([f"const double gd_ = (double){g} * {dy};", f"{s1} += gd_;",
-                    f"{s2} += gd_ * (({x} - {mu}) * {r});"], f"+:{s1},{s2}")
+        xhat = self._split_statistics(mu, r)
+        self.pre(f"{T} {s1} = 0, {s2} = 0;")
+        self.inner([f"const {T} gd_ = {g} * {dy};", f"{s1} += gd_;", f"{s2} += gd_ * {xhat(x)};"], f"+:{s1},{s2}")
         self.stmt(f"{s1} /= nn_; {s2} /= nn_;")
-        self.inner([f"const double gd_ = (double){g} * {dy};",
-                    f"const {self.T} v_ = ({self.T})({r} * (gd_ - {s1} - (({x} - {mu}) * {r}) * {s2}));"]
-                   + self.put(t, a, "v_"))
+        self.inner([f"const {T} v_ = {r}t_ * ({g} * {dy} - {s1} - {xhat(x)} * {s2});"] + self.put(t, a, "v_"))
 
     def _bias_grad(self, m, attrs):
         dy = self.read(*m["inputs"]["dy"])
@@ -592,7 +609,8 @@ class _RowKernel:
         dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
         mu, r = self._names("mu", "r")
         self.pre(f"const double {mu} = {mu_in}, {r} = {r_in};")
-        self.inner([f"{self.acc[dg]}[n_] += {dy} * ({self.T})(({x} - {mu}) * {r});", f"{self.acc[db]}[n_] += {dy};"])
+        xhat = self._split_statistics(mu, r)
+        self.inner([f"{self.acc[dg]}[n_] += {dy} * {xhat(x)};", f"{self.acc[db]}[n_] += {dy};"])
 
 def _numel(dims: str) -> str:
     return " * ".join(_size(d) for d in dims)

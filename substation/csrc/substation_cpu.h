@@ -45,23 +45,75 @@ static inline uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t inde
   return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// Sixteen Philox4x32-10 blocks at counters g0 .. g0 + 15 on 32-bit lanes (the same words as philox()),
+// stored in block order: out[4 * g + w] = word w of block g0 + g.
+static inline void philox16(uint64_t g0, uint32_t stream, uint64_t seed, uint32_t* out) {
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i base = _mm512_set1_epi32((int)(uint32_t)g0), high = _mm512_set1_epi32((int)(uint32_t)(g0 >> 32));
+  __m512i c0 = _mm512_add_epi32(base, lanes);
+  __m512i c1 = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c0, base), high, _mm512_set1_epi32(1));
+  __m512i c2 = _mm512_set1_epi32((int)stream), c3 = _mm512_setzero_si512();
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+  const __m512i m0 = _mm512_set1_epi32((int)0xD2511F53u), m1 = _mm512_set1_epi32((int)0xCD9E8D57u);
+  for (int r = 0; r < 10; ++r) {
+    // 32 x 32 -> 64-bit products of the even lanes and of the odd lanes, split into hi and lo words
+    const __m512i pe0 = _mm512_mul_epu32(c0, m0), po0 = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), m0);
+    const __m512i pe1 = _mm512_mul_epu32(c2, m1), po1 = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), m1);
+    const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe0, 32), po0);
+    const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, pe0, _mm512_slli_epi64(po0, 32));
+    const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe1, 32), po1);
+    const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, pe1, _mm512_slli_epi64(po1, 32));
+    const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32((int)k0));
+    const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32((int)k1));
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  // 4 x 16 transpose: word-major registers to block-major memory
+  const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
+  const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
+  const __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);  // blocks 0 4 8 12, 1 5 9 13
+  const __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);  // blocks 2 6 10 14, 3 7 11 15
+  const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);
+  const __m512i v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+  _mm512_storeu_si512(out, _mm512_shuffle_i32x4(v0, v1, 0x88));
+  _mm512_storeu_si512(out + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
+  _mm512_storeu_si512(out + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
+  _mm512_storeu_si512(out + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
+}
+#endif
+
+// Words of scratch random_row needs for a row of n elements (blocks are drawn sixteen at a time).
+static inline size_t random_row_words(int64_t n) { return (size_t)(n / 2 + 72); }
+
 // The bits of elements first .. first + n - 1 (a row whose random index is contiguous), one block
 // per eight elements: the blocks' words are stored in order, so on a little-endian machine the
 // 16-bit halves of element first + i sit at index (first % 8) + i of the same memory read as
-// uint16 (may_alias: read through another type on purpose). `scratch` holds n / 2 + 8 words.
+// uint16 (may_alias: read through another type on purpose). `scratch` holds random_row_words(n).
 typedef uint16_t __attribute__((may_alias)) bits16_t;
 static inline const bits16_t* random_row(uint64_t seed, uint32_t stream, uint64_t first, int64_t n,
                                          uint32_t* __restrict__ scratch) {
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "random_row assumes a little-endian machine");
   const uint64_t g0 = first >> 3;
   const int64_t groups = (int64_t)(((first & 7) + (uint64_t)n + 7) >> 3);
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < groups; g += 16) philox16(g0 + (uint64_t)g, stream, seed, scratch + 4 * g);
+#else
 #pragma omp simd
   for (int64_t g = 0; g < groups; ++g) {
     const Words b = philox(g0 + (uint64_t)g, stream, seed);
     scratch[4 * g] = b.w[0]; scratch[4 * g + 1] = b.w[1];
     scratch[4 * g + 2] = b.w[2]; scratch[4 * g + 3] = b.w[3];
   }
+#endif
   return reinterpret_cast<const bits16_t*>(scratch) + (first & 7);
+}
+
+// Bits that keep every element (all zero) for eval mode: the row's scratch, zero-initialised by its
+// std::vector and never written by random_row while training is off.
+static inline const bits16_t* keep_all_bits(const uint32_t* scratch, int64_t) {
+  return reinterpret_cast<const bits16_t*>(scratch);
 }
 
 // Inverted dropout given an element's 16 random bits: x * scale when bits >= threshold, else 0;
@@ -92,15 +144,15 @@ static inline float exp_(float x) {
 static inline double exp_(double x) { return std::exp(x); }
 
 // erf: Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7), the form PyTorch's vectorized CPU
-// GELU uses for float.
-static inline float erf_(float x) {
+// GELU uses for float. erf_with_gauss also takes exp(-x^2), which GELU's gradient shares.
+static inline float erf_with_gauss(float x, float gauss) {
   const float a = std::fabs(x);
   const float t = 1.0f / (1.0f + 0.3275911f * a);
   const float poly = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t
                       + 0.254829592f) * t;
-  const float y = 1.0f - poly * exp_(-a * a);
-  return std::copysign(y, x);
+  return std::copysign(1.0f - poly * gauss, x);
 }
+static inline float erf_(float x) { return erf_with_gauss(x, exp_(-x * x)); }
 static inline double erf_(double x) { return std::erf(x); }
 
 static inline float tanh_(float x) {
@@ -110,10 +162,15 @@ static inline float tanh_(float x) {
 static inline double tanh_(double x) { return std::tanh(x); }
 
 template <typename T> static inline T gelu(T x) { return T(0.5) * x * (T(1) + erf_(x * T(0.70710678118654752440))); }
-template <typename T> static inline T gelu_grad(T x) {
-  const T cdf = T(0.5) * (T(1) + erf_(x * T(0.70710678118654752440)));
-  const T pdf = exp_(T(-0.5) * x * x) * T(0.39894228040143267794);
-  return cdf + x * pdf;
+// GELU'(x) = Phi(x) + x phi(x); for float, Phi's erf reuses phi's exp(-x^2 / 2).
+static inline float gelu_grad(float x) {
+  const float gauss = exp_(-0.5f * x * x);
+  const float cdf = 0.5f * (1.0f + erf_with_gauss(x * 0.70710678118654752440f, gauss));
+  return cdf + x * gauss * 0.39894228040143267794f;
+}
+static inline double gelu_grad(double x) {
+  const double cdf = 0.5 * (1.0 + std::erf(x * 0.70710678118654752440));
+  return cdf + x * std::exp(-0.5 * x * x) * 0.39894228040143267794;
 }
 template <typename T> static inline T gelu_tanh(T x) {
   const T c = T(0.79788456080286535588);  // sqrt(2 / pi)
