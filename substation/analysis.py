@@ -520,7 +520,7 @@ def _probe_library():
     with open(os.path.join(_HEADER_DIR, "substation_probe.cpp")) as f:
         lib = ctypes.CDLL(build_library(f.read(), "probe").path)
     lib.substation_probe_gemm_seconds.restype = ctypes.c_double
-    lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
     lib.substation_probe_fma_flops.restype = ctypes.c_double
     lib.substation_probe_fma_flops.argtypes = [ctypes.c_int64, ctypes.c_int32]
     return lib
@@ -532,19 +532,23 @@ def _probe_dtype(dtype: str) -> int:
     return int(dtype == "float64")
 
 
-def gemm_rate(dtype: str = "float32", n: int = 2048, repeats: int = 3) -> float:
-    """The BLAS's GEMM rate in flop/s: 2 n^3 / seconds of the fastest of ``repeats`` n x n x n
-    ``cblas_sgemm`` (``float32``) or ``cblas_dgemm`` (``float64``) calls of the library the generated
-    code links (MKL), on the generated code's OpenMP threads; one untimed call comes first.
+def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5) -> float:
+    """The BLAS's GEMM rate in flop/s: the best over ``shapes`` (``(m, n, k)`` tuples) of 2 m n k /
+    seconds of the fastest of ``repeats`` row-major ``C[m, n] = A[m, k] B[k, n]`` calls of
+    ``cblas_sgemm`` (``float32``) or ``cblas_dgemm`` (``float64``) of the library the generated code
+    links (MKL), on the generated code's OpenMP threads; one untimed call per shape comes first.
 
     Raises:
-        ValueError: another dtype, ``n`` < 1 or ``repeats`` < 1.
+        ValueError: another dtype, no shapes, a size < 1 or ``repeats`` < 1.
         ToolchainError, BuildError: the probe library cannot be built.
     """
     use_double = _probe_dtype(dtype)
-    if n < 1 or repeats < 1:
-        raise ValueError(f"need n >= 1 and repeats >= 1, got {n} and {repeats}")
-    return 2.0 * n ** 3 / _probe_library().substation_probe_gemm_seconds(n, repeats, use_double)
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
+        raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
+    lib = _probe_library()
+    return max(2.0 * m * n * k / lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double)
+               for m, n, k in shapes)
 
 
 def fma_peak(dtype: str = "float32", iterations: int = 30_000_000, repeats: int = 3) -> float:

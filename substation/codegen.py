@@ -302,6 +302,7 @@ class _RowKernel:
         self.members = members
         self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
         self.pending: list | None = None  # loops collected inside a row (None: write at once)
+        self.row_items: list | None = None  # a row's lines and merged loops, rendered at its end
         self.prelude: list[str] = []
         self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
         # Which produced tensors later members read (or softmax needs as scratch): buffered.
@@ -318,7 +319,10 @@ class _RowKernel:
 
     # helpers ------------------------------------------------------------------------------------
     def w(self, line: str = "") -> None:
-        self.em.w(line)
+        if self.row_items is None:
+            self.em.w(line)
+        else:
+            self.row_items.append((self.em.indent, line))
 
     def memory(self, t: str) -> bool:
         return t in self.graph.tensors
@@ -373,10 +377,42 @@ class _RowKernel:
             self.w(line)
         self.prelude = []
         if self.pending:
-            self._loop([b for b, _ in self.pending], [r for _, r in self.pending if r])
+            loop = ([b for b, _ in self.pending], [r for _, r in self.pending if r])
+            if self.row_items is None:
+                self._loop(*loop)
+            else:
+                self.row_items.append((self.em.indent, loop))
         self.pending = []
 
-    def _loop(self, bodies: list[list[str]], reductions: list[str]) -> None:
+    def _render_row(self) -> None:
+        """Write the row's lines and loops. A row buffer that a loop defines (its first use there is a
+        plain store) and that nothing after that loop reads lives in a register inside the loop
+        instead: its stores would only cost bandwidth."""
+        items, self.row_items = self.row_items, None
+        for i, (indent, item) in enumerate(items):
+            self.em.indent = indent
+            if isinstance(item, str):
+                self.w(item)
+                continue
+            bodies, reductions = item
+            later = "\n".join(x if isinstance(x, str) else "\n".join(ln for b in x[0] for ln in b)
+                              for _, x in items[i + 1:])
+            lines = [ln for b in bodies for ln in b]
+
+            def defined_here(t: str) -> bool:  # the loop's first use of buf_t writes it from scratch
+                first = next((ln for ln in lines if f"buf_{t}[" in ln), None)
+                head = f"buf_{t}[n_] = "
+                return first is not None and first.startswith(head) and f"buf_{t}[" not in first[len(head):]
+            local = [t for t in self.buffers if defined_here(t) and f"buf_{t}[" not in later]
+            if local:
+                def rewrite(line: str) -> str:
+                    for t in local:
+                        line = line.replace(f"buf_{t}[n_]", f"reg_{t}")
+                    return line
+                bodies = [[rewrite(ln) for ln in b] for b in bodies]
+            self._loop(bodies, reductions, [f"{self.T} " + ", ".join(f"reg_{t}" for t in local) + ";"] if local else [])
+
+    def _loop(self, bodies: list[list[str]], reductions: list[str], head: list[str] = ()) -> None:
         for k, c in enumerate(self.N):
             if k == len(self.N) - 1:
                 self.w("#pragma omp simd" + "".join(f" reduction({r})" for r in reductions))
@@ -386,6 +422,8 @@ class _RowKernel:
         for c in self.N:
             lin = f"i_{c}" if lin == "0" else f"({lin}) * {_size(c)} + i_{c}"
         self.w(f"const int64_t n_ = {lin}; (void)n_;")
+        for line in head:
+            self.w(line)
         for body in bodies:
             if len(bodies) > 1:
                 self.w("{")
@@ -440,7 +478,7 @@ class _RowKernel:
         for t in self.scalars:
             self.w(f"double sc_{t} = 0;")
         self.ready: set[str] = set()
-        self.pending = []
+        self.pending, self.row_items = [], []
         for k, m in enumerate(self.members):
             self.k = k  # row-level names of member k end in f"{k}_"
             self.pre(f"// {m['name']} ({m['kind']})")
@@ -448,6 +486,7 @@ class _RowKernel:
             self.ready.update(t for t, _ in m["outputs"].values())
         self.flush()
         self.pending = None
+        self._render_row()
         if blocked:
             self.w(f"if (((row_ - lo_) & {COLUMN_BLOCK - 1}) == {COLUMN_BLOCK - 1} || row_ == hi_ - 1) {{")
             self.inner([f"acc_{t}[n_] += blk_{t}[n_]; blk_{t}[n_] = 0.0f;" for t in self.acc])

@@ -84,12 +84,12 @@ def test_machine_probes():
     from substation.analysis import fma_peak, gemm_rate
 
     for dtype in ("float32", "float64"):
-        peak, rate = fma_peak(dtype), gemm_rate(dtype, n=256)
+        peak, rate = fma_peak(dtype), gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)])
         assert peak > 0 and 0 < rate < 1.5 * peak, (dtype, peak, rate)
     with pytest.raises(ValueError, match="dtype must be float32 or float64"):
         gemm_rate("float16")
-    with pytest.raises(ValueError, match="n >= 1"):
-        gemm_rate("float32", n=0)
+    with pytest.raises(ValueError, match=r"shapes of \(m, n, k\) >= 1"):
+        gemm_rate("float32", [(4, 0, 4)])
     with pytest.raises(ValueError, match="iterations >= 1"):
         fma_peak("float32", iterations=0)
 

@@ -168,12 +168,15 @@ def test_random_row_matches_random_bits(tmp_path, monkeypatch):
     src = """
         #include "substation_cpu.h"
         extern "C" int64_t mismatches(uint64_t seed, uint32_t stream) {
-          std::vector<uint32_t> scratch(300 / 2 + 8);
           int64_t bad = 0;
           for (uint64_t first = 0; first < 50; first += 7)
             for (int64_t n = 1; n < 300; n += 37) {
+              // random_row_words(n) words of scratch, then guard words it must leave alone
+              const size_t words = ss::random_row_words(n);
+              std::vector<uint32_t> scratch(words + 16, 0xA5A5A5A5u);
               const ss::bits16_t* w = ss::random_row(seed, stream, first, n, scratch.data());
               for (int64_t i = 0; i < n; ++i) bad += w[i] != ss::random_bits(seed, stream, first + i);
+              for (size_t g = words; g < words + 16; ++g) bad += scratch[g] != 0xA5A5A5A5u;
             }
           return bad;
         }

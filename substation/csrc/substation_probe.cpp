@@ -7,19 +7,20 @@
 #include <cstdint>
 #include <vector>
 
-// Seconds of the fastest of `repeats` C = A B calls (n x n x n, float or double, all threads).
-extern "C" double substation_probe_gemm_seconds(int64_t n, int32_t repeats, int32_t use_double) {
-  const size_t elems = (size_t)(n * n);
+// Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] B[k x n] calls (float or
+// double, all threads); one untimed call comes first.
+extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats,
+                                                int32_t use_double) {
   double best = 1e300;
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    std::vector<T> a(elems, T(1) / T(3)), b(elems, T(2) / T(3)), c(elems, T(0));
-    for (int32_t r = 0; r < repeats + 1; ++r) {  // the first call warms the BLAS up, untimed
+    std::vector<T> a((size_t)(m * k), T(1) / T(3)), b((size_t)(k * n), T(2) / T(3)), c((size_t)(m * n), T(0));
+    for (int32_t r = 0; r < repeats + 1; ++r) {
       const double t0 = omp_get_wtime();
       if constexpr (sizeof(T) == 8)
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0, a.data(), n, b.data(), n, 0.0, c.data(), n);
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0, a.data(), k, b.data(), n, 0.0, c.data(), n);
       else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
       if (r > 0) best = std::min(best, omp_get_wtime() - t0);
     }
   };
