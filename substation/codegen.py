@@ -385,9 +385,9 @@ class _RowKernel:
         self.pending = []
 
     def _render_row(self) -> None:
-        """Write the row's lines and loops. A row buffer that a loop defines (its first use there is a
-        plain store) and that nothing after that loop reads lives in a register inside the loop
-        instead: its stores would only cost bandwidth."""
+        """Write the row's lines and loops. The stores of a loop to a row buffer that nothing after
+        the loop reads become register assignments (reads earlier in the loop still load the buffer,
+        later ones take the register): those stores would only cost bandwidth."""
         items, self.row_items = self.row_items, None
         for i, (indent, item) in enumerate(items):
             self.em.indent = indent
@@ -397,19 +397,21 @@ class _RowKernel:
             bodies, reductions = item
             later = "\n".join(x if isinstance(x, str) else "\n".join(ln for b in x[0] for ln in b)
                               for _, x in items[i + 1:])
-            lines = [ln for b in bodies for ln in b]
+            local = [t for t in self.buffers if f"buf_{t}[" not in later
+                     and any(ln.startswith(f"buf_{t}[n_] = ") for b in bodies for ln in b)]
+            stored: set[str] = set()
 
-            def defined_here(t: str) -> bool:  # the loop's first use of buf_t writes it from scratch
-                first = next((ln for ln in lines if f"buf_{t}[" in ln), None)
-                head = f"buf_{t}[n_] = "
-                return first is not None and first.startswith(head) and f"buf_{t}[" not in first[len(head):]
-            local = [t for t in self.buffers if defined_here(t) and f"buf_{t}[" not in later]
-            if local:
-                def rewrite(line: str) -> str:
-                    for t in local:
-                        line = line.replace(f"buf_{t}[n_]", f"reg_{t}")
-                    return line
-                bodies = [[rewrite(ln) for ln in b] for b in bodies]
+            def rewrite(line: str) -> str:
+                for t in local:
+                    ref, head = f"buf_{t}[n_]", f"buf_{t}[n_] = "
+                    if line.startswith(head):
+                        rhs = line[len(head):]
+                        line = f"reg_{t} = " + (rhs.replace(ref, f"reg_{t}") if t in stored else rhs)
+                        stored.add(t)
+                    elif t in stored:
+                        line = line.replace(ref, f"reg_{t}")
+                return line
+            bodies = [[rewrite(ln) for ln in b] for b in bodies]
             self._loop(bodies, reductions, [f"{self.T} " + ", ".join(f"reg_{t}" for t in local) + ";"] if local else [])
 
     def _loop(self, bodies: list[list[str]], reductions: list[str], head: list[str] = ()) -> None:
@@ -572,14 +574,13 @@ class _RowKernel:
         mx, sm, inv = self._names("mx", "s", "inv")
         self.pre(f"{T} {mx} = ({T})(-INFINITY);")
         self.inner([f"{mx} = std::max({mx}, ({T}){x});"], f"max:{mx}")
-        self.stmt(f"if ({mx} == ({T})(-INFINITY)) {{  // every key masked: probabilities are 0")
-        self.inner(self.put(y, ya, f"({T})0"))
-        self.stmt("} else {")
+        # Every key masked (max -inf): exp gives 0 everywhere and the probabilities are 0, without a
+        # branch, so the normalizing loop merges with what follows.
+        self.stmt(f"if ({mx} == ({T})(-INFINITY)) {mx} = 0;")
         self.pre(f"{T} {sm} = 0;")
         self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
-        self.stmt(f"const {T} {inv} = ({T})(1.0 / {sm});")
+        self.stmt(f"const {T} {inv} = {sm} > 0 ? ({T})(1.0 / {sm}) : ({T})0;")
         self.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + self.put(y, ya, "v_"))
-        self.stmt("}")
 
     def _softmax_grad(self, m, attrs):
         dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])
