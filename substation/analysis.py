@@ -737,6 +737,21 @@ def format_report(analysis: Analysis) -> str:
     return "\n".join(lines)
 
 
+def format_kernels(analysis: Analysis) -> str:
+    """The memory-bound (SN/EW) kernels of each pass, one line each: name, class, MB moved and the
+    operators it runs (a fused kernel lists its members in order; an unfused operator is its own
+    kernel). Contractions are not kernels of this list. Raises nothing."""
+    lines = ["memory-bound kernels (contractions not counted)" + (" after fusion" if analysis.optimized else ""),
+             f"{'pass':<9} {'kernel':<16} {'class':<5} {'MB':>8}  operators"]
+    for phase in PASSES:
+        ops = [o for o in analysis.select(phase) if o.op_class != "TC"]
+        for o in ops:
+            lines.append(f"{phase:<9} {o.name:<16} {o.op_class:<5} {o.bytes / 1e6:>8.2f}  "
+                         + (" + ".join(o.members) if o.members else o.name))
+        lines.append(f"{phase:<9} {len(ops)} kernels")
+    return "\n".join(lines)
+
+
 def write_json(analysis: Analysis, path: str) -> None:
     """Write :meth:`Analysis.to_json` to ``path`` atomically (temporary file + rename).
 

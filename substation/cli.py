@@ -208,8 +208,11 @@ def cmd_graphs(args) -> int:
 
 def cmd_report(args) -> int:
     """``substation report``: flop and data-movement analysis of a config's graphs (see docs/analysis.md)."""
-    from .analysis import analyze, format_report, measure, plot_report, write_json
+    from .analysis import analyze, format_kernels, format_report, measure, plot_report, write_json
 
+    if args.kernels:
+        print(format_kernels(analyze(args.config, optimized=not args.no_fuse)))
+        return 0
     try:
         analysis = analyze(args.config, optimized=args.optimized)
     except NotImplementedError as e:
@@ -362,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true",
                    help="run the compiled layer with per-operator timers and a STREAM-like copy")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward steps with --measure (default 5)")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: list each memory-bound kernel of the fused graphs with the operators it runs")
+    p.add_argument("--no-fuse", action="store_true", help="with --kernels: the unfused graphs (one kernel per operator)")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("bench", help="time forward/backward against PyTorch eager and torch.compile (or --kernels)")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")

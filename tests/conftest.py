@@ -59,6 +59,20 @@ def additive(pad, dtype=torch.float64, value=float("-inf")):
     return None if pad is None else torch.zeros(pad.shape, dtype=dtype).masked_fill(pad, value)
 
 
+@pytest.fixture
+def fresh_toolchain(monkeypatch, tmp_path):
+    """Builds go to a private cache (``tmp_path / "cache"``) and the detected C++ and CUDA toolchains
+    are forgotten before and after the test; yields ``monkeypatch`` (undone before the caches clear)."""
+    from substation.build import toolchain
+    from substation.build_cuda import cuda_toolchain
+
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
+    toolchain.cache_clear(), cuda_toolchain.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    toolchain.cache_clear(), cuda_toolchain.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return load_config("tiny")

@@ -57,3 +57,19 @@ def test_graphs_and_errors(tmp_path, capsys):
 def test_python_dash_m():
     proc = subprocess.run([sys.executable, "-m", "substation", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "compile" in proc.stdout and "graphs" in proc.stdout
+
+
+def test_report_kernels_lists_fused_members(capsys):
+    """`substation report --kernels`: every memory-bound kernel of the fused graphs with its operators."""
+    assert main(["report", "bert-base", "--kernels"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split(None, 4) for ln in out.splitlines()[2:] if not ln.split()[1].isdigit()]
+    kernels = {(r[0], r[1]): r[4] for r in rows}
+    assert "forward   5 kernels" in out and "backward  6 kernels" in out
+    assert kernels[("forward", "MSD")] == "mask + softmax + attention_dropout"
+    assert kernels[("forward", "BDRLN")] == "out_bias + out_dropout + residual1 + layer_norm1"
+    assert kernels[("backward", "BDS")] == "attention_dropout_grad + softmax_grad"
+    assert all(r[2] in ("SN", "EW") for r in rows) and len(rows) == 11
+    assert main(["report", "bert-base", "--kernels", "--no-fuse"]) == 0
+    out = capsys.readouterr().out
+    assert "after fusion" not in out and "forward   14 kernels" in out and "backward  15 kernels" in out

@@ -79,15 +79,6 @@ def test_nvcc_flags_name_the_architecture():
         nvcc_flags("ampere")
 
 
-@pytest.fixture
-def fresh_toolchain(monkeypatch, tmp_path):
-    """Forget the detected toolchain before and after the test; builds go to a private cache."""
-    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
-    cuda_toolchain.cache_clear()
-    yield tmp_path
-    cuda_toolchain.cache_clear()
-
-
 def _fake_nvcc(folder, release: str):
     exe = folder / "nvcc"
     exe.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
@@ -95,8 +86,8 @@ def _fake_nvcc(folder, release: str):
     return exe
 
 
-def test_toolchain_errors_are_clear(fresh_toolchain, monkeypatch):
-    tmp = fresh_toolchain
+def test_toolchain_errors_are_clear(fresh_toolchain, monkeypatch, tmp_path):
+    tmp = tmp_path
     monkeypatch.setenv("SUBSTATION_NVCC", str(tmp / "missing-nvcc"))
     with pytest.raises(ToolchainError, match="SUBSTATION_NVCC=.* is not an executable"):
         cuda_toolchain()
@@ -386,8 +377,8 @@ def test_cli_compile_target_cuda(nvcc_layers, tmp_path, capsys):
 
 
 @needs_nvcc
-def test_nvcc_rejects_broken_source_without_caching(fresh_toolchain):
+def test_nvcc_rejects_broken_source_without_caching(fresh_toolchain, tmp_path):
     with pytest.raises(BuildError, match="compiling broken failed"):
         build_cuda.build_cuda_library('#include "substation_cuda.cuh"\nthis is not CUDA', "broken")
-    cache = fresh_toolchain / "cache"
+    cache = tmp_path / "cache"
     assert [p for p in os.listdir(cache) if not p.startswith(".")] == []

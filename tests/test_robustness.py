@@ -612,16 +612,6 @@ def test_build_killed_while_compiling_leaves_nothing_loaded(tmp_path, monkeypatc
 
 
 # -- 9. errors -----------------------------------------------------------------------------------------
-@pytest.fixture
-def fresh_toolchain(monkeypatch, tmp_path):
-    """A fresh build cache and a cleared toolchain() cache before and after the test."""
-    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
-    toolchain.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    toolchain.cache_clear()
-
-
 def fake_compiler(tmp_path, version_line="fakecxx 1.0"):
     exe = tmp_path / "fakecxx"
     version = f'if [ "$1" = --version ]; then echo "{version_line}"; exit 0; fi\n' if version_line else ""

@@ -7,6 +7,9 @@
 #include <vector>
 #include <algorithm>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ss {
 
@@ -46,7 +49,6 @@ static inline uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t inde
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 // Sixteen Philox4x32-10 blocks at counters g0 .. g0 + 15 on 32-bit lanes (the same words as philox()),
 // stored in block order: out[4 * g + w] = word w of block g0 + g.
 static inline void philox16(uint64_t g0, uint32_t stream, uint64_t seed, uint32_t* out) {
