@@ -244,7 +244,24 @@ class _Emitter:
         # Many small GEMMs: one per thread (BLAS runs single-threaded inside the parallel region).
         self.w(f"if ({nbatch} >= omp_get_max_threads()) {{")
         self.indent += 1
+        if self.T == "float":  # AVX-512: our own per-thread GEMM (ss::gemm_small) beats a BLAS call at this size
+            self.w("#if defined(__AVX512F__)")
+            self.w("#pragma omp parallel")
+            self.w("{")
+            self.indent += 1
+            self.w(f"std::vector<float> pack_(ss::gemm_small_pack_floats({_cxx(plan.n)}, {_cxx(plan.k)}));")
+            self.w(f"#pragma omp for collapse({len(letters)}) schedule(static)")
+            small = (f"ss::gemm_small({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {_cxx(plan.m)}, "
+                     f"{_cxx(plan.n)}, {_cxx(plan.k)}, {alpha!r}f, {plan.a.name} + {off('a', 0)}, {_cxx(plan.lda)}, "
+                     f"{plan.b.name} + {off('b', 1)}, {_cxx(plan.ldb)}, {plan.c.name} + {off('c', 2)}, "
+                     f"{_cxx(plan.ldc)}, pack_.data());")
+            self.loops(letters, lambda: self.w(small), parallel=False)
+            self.indent -= 1
+            self.w("}")
+            self.w("#else")
         self.loops(letters, lambda: self.w(inner), parallel=True, collapse_all=True)
+        if self.T == "float":
+            self.w("#endif")
         self.indent -= 1
         self.w("} else {")
         self.indent += 1

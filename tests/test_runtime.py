@@ -236,3 +236,46 @@ def test_deepcopy_and_pickle(tiny_nodrop, tmp_path):
     torch.save(layer, tmp_path / "layer.pt")
     loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
     assert torch.equal(loaded(x), layer(x)) and loaded.compiled.options == layer.compiled.options
+
+
+def test_gemm_small_matches_float64(tmp_path, monkeypatch):
+    """ss::gemm_small (the per-head attention GEMM of AVX-512 builds) against float64 products, for
+    every transpose combination, sizes off the 8-row / 32-column blocking, leading dimensions larger
+    than the rows and a scaling alpha."""
+    import ctypes
+
+    import numpy as np
+
+    from substation.build import build_library
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
+    src = """
+        #include "substation_cpu.h"
+        extern "C" int gemm(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                            int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+        #if defined(__AVX512F__)
+          std::vector<float> pack(ss::gemm_small_pack_floats(n, k));
+          ss::gemm_small(ta, tb, m, n, k, alpha, a, lda, b, ldb, c, ldc, pack.data());
+          return 1;
+        #else
+          return 0;
+        #endif
+        }
+    """
+    lib = ctypes.CDLL(build_library(src, "gemm_small").path)
+    lib.gemm.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_float] + \
+        [ctypes.c_void_p, ctypes.c_int64] * 3
+    rng = np.random.default_rng(0)
+    ptr = lambda arr: arr.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    for ta, tb, m, n, k in [(0, 1, 128, 128, 64), (0, 0, 13, 70, 9), (1, 0, 9, 33, 17), (1, 1, 1, 1, 1),
+                            (0, 1, 8, 32, 5), (1, 1, 23, 47, 130)]:
+        a = rng.standard_normal((k, m + 3) if ta else (m, k + 3)).astype(np.float32)
+        b = rng.standard_normal((n, k + 2) if tb else (k, n + 2)).astype(np.float32)
+        c = np.full((m, n + 5), 7.0, dtype=np.float32)
+        if not lib.gemm(ta, tb, m, n, k, 0.5, ptr(a), a.shape[1], ptr(b), b.shape[1], ptr(c), c.shape[1]):
+            pytest.skip("the build has no AVX-512: attention GEMMs use the BLAS")
+        opa = (a[:, :m].T if ta else a[:, :k]).astype(np.float64)
+        opb = (b[:, :k].T if tb else b[:, :n]).astype(np.float64)
+        want = 0.5 * opa @ opb
+        err = np.abs(c[:, :n] - want).max() / np.abs(want).max()
+        assert err < 1e-6, (ta, tb, m, n, k, err)
+        assert (c[:, n:] == 7.0).all()  # nothing written past column n

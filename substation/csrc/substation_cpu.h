@@ -186,6 +186,71 @@ template <typename T> static inline T gelu_tanh_grad(T x) {
 template <typename T> static inline T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> static inline T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }
 
+#if defined(__AVX512F__)
+// One small float GEMM on the calling thread, row-major: C[m x n] = alpha op(A)[m x k] op(B)[k x n]
+// (beta 0), for the per-head GEMMs of attention, which run one per thread inside a parallel loop
+// (a BLAS call of that size spends much of its time outside its inner kernel). op(B) is packed into
+// 32-column panels (zero-padded) in `pack` (gemm_small_pack_floats(n, k) floats); 8-row blocks of A
+// are broadcast element by element against two 16-lane panel rows, accumulating in 16 registers.
+// Each element sums its k products in order, one fused multiply-add at a time.
+static inline size_t gemm_small_pack_floats(int64_t n, int64_t k) { return (size_t)(32 * k * ((n + 31) / 32)); }
+
+template <int MR>
+static inline void gemm_small_block(int64_t k, const float* a, int64_t rs_a, int64_t cs_a, const float* panel,
+                                    float alpha, float* c, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+  __m512 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    const __m512 b0 = _mm512_loadu_ps(panel + 32 * p), b1 = _mm512_loadu_ps(panel + 32 * p + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * rs_a + p * cs_a]);
+      acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_mul_ps(acc0[r], scale));
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_mul_ps(acc1[r], scale));
+  }
+}
+
+template <int MR>
+static inline void gemm_small_rows(int64_t rows, int64_t k, const float* a, int64_t rs_a, int64_t cs_a,
+                                   const float* panel, float alpha, float* c, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+  if constexpr (MR > 0) {
+    if (rows == MR) gemm_small_block<MR>(k, a, rs_a, cs_a, panel, alpha, c, ldc, m0, m1);
+    else gemm_small_rows<MR - 1>(rows, k, a, rs_a, cs_a, panel, alpha, c, ldc, m0, m1);
+  }
+}
+
+static inline void gemm_small(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                              const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+                              float* __restrict__ pack) {
+  const int64_t panels = (n + 31) / 32;
+  for (int64_t jp = 0; jp < panels; ++jp) {
+    const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
+    for (int64_t p = 0; p < k; ++p) {
+      float* row = pack + 32 * (jp * k + p);
+      if (trans_b) for (int64_t j = 0; j < w; ++j) row[j] = b[(j0 + j) * ldb + p];
+      else std::memcpy(row, b + p * ldb + j0, sizeof(float) * (size_t)w);
+      for (int64_t j = w; j < 32; ++j) row[j] = 0.0f;
+    }
+  }
+  const int64_t rs_a = trans_a ? 1 : lda, cs_a = trans_a ? lda : 1;
+  for (int64_t jp = 0; jp < panels; ++jp) {
+    const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
+    const __mmask16 m0 = (__mmask16)(w >= 16 ? 0xFFFFu : (1u << w) - 1);
+    const __mmask16 m1 = (__mmask16)(w >= 32 ? 0xFFFFu : w > 16 ? (1u << (w - 16)) - 1 : 0u);
+    const float* panel = pack + 32 * jp * k;
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) gemm_small_block<8>(k, a + i * rs_a, rs_a, cs_a, panel, alpha, c + i * ldc + j0, ldc, m0, m1);
+    gemm_small_rows<7>(m - i, k, a + i * rs_a, rs_a, cs_a, panel, alpha, c + i * ldc + j0, ldc, m0, m1);
+  }
+}
+#endif
+
 static inline int64_t align_up(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 }  // namespace ss
