@@ -49,40 +49,54 @@ static inline uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t inde
 }
 
 #if defined(__AVX512F__)
-// Sixteen Philox4x32-10 blocks at counters g0 .. g0 + 15 on 32-bit lanes (the same words as philox()),
-// stored in block order: out[4 * g + w] = word w of block g0 + g.
-static inline void philox16(uint64_t g0, uint32_t stream, uint64_t seed, uint32_t* out) {
+// 16 V Philox4x32-10 blocks at counters g0 .. g0 + 16 V - 1 on 32-bit lanes (the same words as
+// philox()), stored in block order: out[4 * g + w] = word w of block g0 + g. V independent sets of
+// sixteen interleave, so their multiply latencies overlap.
+template <int V>
+static inline void philox_blocks(uint64_t g0, uint32_t stream, uint64_t seed, uint32_t* out) {
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i base = _mm512_set1_epi32((int)(uint32_t)g0), high = _mm512_set1_epi32((int)(uint32_t)(g0 >> 32));
-  __m512i c0 = _mm512_add_epi32(base, lanes);
-  __m512i c1 = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c0, base), high, _mm512_set1_epi32(1));
-  __m512i c2 = _mm512_set1_epi32((int)stream), c3 = _mm512_setzero_si512();
-  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
   const __m512i m0 = _mm512_set1_epi32((int)0xD2511F53u), m1 = _mm512_set1_epi32((int)0xCD9E8D57u);
+  __m512i c0[V], c1[V], c2[V], c3[V];
+  for (int v = 0; v < V; ++v) {
+    const uint64_t first = g0 + 16u * (uint64_t)v;
+    const __m512i base = _mm512_set1_epi32((int)(uint32_t)first), high = _mm512_set1_epi32((int)(uint32_t)(first >> 32));
+    c0[v] = _mm512_add_epi32(base, lanes);
+    c1[v] = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c0[v], base), high, _mm512_set1_epi32(1));
+    c2[v] = _mm512_set1_epi32((int)stream);
+    c3[v] = _mm512_setzero_si512();
+  }
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
   for (int r = 0; r < 10; ++r) {
-    // 32 x 32 -> 64-bit products of the even lanes and of the odd lanes, split into hi and lo words
-    const __m512i pe0 = _mm512_mul_epu32(c0, m0), po0 = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), m0);
-    const __m512i pe1 = _mm512_mul_epu32(c2, m1), po1 = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), m1);
-    const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe0, 32), po0);
-    const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, pe0, _mm512_slli_epi64(po0, 32));
-    const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe1, 32), po1);
-    const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, pe1, _mm512_slli_epi64(po1, 32));
-    const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32((int)k0));
-    const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32((int)k1));
-    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    const __m512i key0 = _mm512_set1_epi32((int)k0), key1 = _mm512_set1_epi32((int)k1);
+    for (int v = 0; v < V; ++v) {
+      // 32 x 32 -> 64-bit products of the even lanes and of the odd lanes, split into hi and lo words
+      const __m512i pe0 = _mm512_mul_epu32(c0[v], m0), po0 = _mm512_mul_epu32(_mm512_srli_epi64(c0[v], 32), m0);
+      const __m512i pe1 = _mm512_mul_epu32(c2[v], m1), po1 = _mm512_mul_epu32(_mm512_srli_epi64(c2[v], 32), m1);
+      const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe0, 32), po0);
+      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, pe0, _mm512_slli_epi64(po0, 32));
+      const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe1, 32), po1);
+      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, pe1, _mm512_slli_epi64(po1, 32));
+      c0[v] = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[v]), key0);
+      c2[v] = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[v]), key1);
+      c1[v] = lo1;
+      c3[v] = lo0;
+    }
     k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
   }
-  // 4 x 16 transpose: word-major registers to block-major memory
-  const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
-  const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
-  const __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);  // blocks 0 4 8 12, 1 5 9 13
-  const __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);  // blocks 2 6 10 14, 3 7 11 15
-  const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);
-  const __m512i v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
-  _mm512_storeu_si512(out, _mm512_shuffle_i32x4(v0, v1, 0x88));
-  _mm512_storeu_si512(out + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
-  _mm512_storeu_si512(out + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
-  _mm512_storeu_si512(out + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
+  for (int v = 0; v < V; ++v) {
+    // 4 x 16 transpose: word-major registers to block-major memory
+    const __m512i t0 = _mm512_unpacklo_epi32(c0[v], c1[v]), t1 = _mm512_unpackhi_epi32(c0[v], c1[v]);
+    const __m512i t2 = _mm512_unpacklo_epi32(c2[v], c3[v]), t3 = _mm512_unpackhi_epi32(c2[v], c3[v]);
+    const __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);  // blocks 0 4 8 12, 1 5 9 13
+    const __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);  // blocks 2 6 10 14, 3 7 11 15
+    const __m512i w0 = _mm512_shuffle_i32x4(u0, u1, 0x44), w1 = _mm512_shuffle_i32x4(u2, u3, 0x44);
+    const __m512i w2 = _mm512_shuffle_i32x4(u0, u1, 0xEE), w3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+    uint32_t* o = out + 64 * v;
+    _mm512_storeu_si512(o, _mm512_shuffle_i32x4(w0, w1, 0x88));
+    _mm512_storeu_si512(o + 16, _mm512_shuffle_i32x4(w0, w1, 0xDD));
+    _mm512_storeu_si512(o + 32, _mm512_shuffle_i32x4(w2, w3, 0x88));
+    _mm512_storeu_si512(o + 48, _mm512_shuffle_i32x4(w2, w3, 0xDD));
+  }
 }
 #endif
 
@@ -100,7 +114,9 @@ static inline const bits16_t* random_row(uint64_t seed, uint32_t stream, uint64_
   const uint64_t g0 = first >> 3;
   const int64_t groups = (int64_t)(((first & 7) + (uint64_t)n + 7) >> 3);
 #if defined(__AVX512F__)
-  for (int64_t g = 0; g < groups; g += 16) philox16(g0 + (uint64_t)g, stream, seed, scratch + 4 * g);
+  int64_t g = 0;
+  for (; g + 32 <= groups; g += 32) philox_blocks<2>(g0 + (uint64_t)g, stream, seed, scratch + 4 * g);
+  for (; g < groups; g += 16) philox_blocks<1>(g0 + (uint64_t)g, stream, seed, scratch + 4 * g);
 #else
 #pragma omp simd
   for (int64_t g = 0; g < groups; ++g) {
