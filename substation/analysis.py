@@ -741,14 +741,15 @@ def format_kernels(analysis: Analysis) -> str:
     """The memory-bound (SN/EW) kernels of each pass, one line each: name, class, MB moved and the
     operators it runs (a fused kernel lists its members in order; an unfused operator is its own
     kernel). Contractions are not kernels of this list. Raises nothing."""
+    ops = {phase: [o for o in analysis.select(phase) if o.op_class != "TC"] for phase in PASSES}
+    width = max([len("kernel")] + [len(o.name) for group in ops.values() for o in group])
     lines = ["memory-bound kernels (contractions not counted)" + (" after fusion" if analysis.optimized else ""),
-             f"{'pass':<9} {'kernel':<16} {'class':<5} {'MB':>8}  operators"]
-    for phase in PASSES:
-        ops = [o for o in analysis.select(phase) if o.op_class != "TC"]
-        for o in ops:
-            lines.append(f"{phase:<9} {o.name:<16} {o.op_class:<5} {o.bytes / 1e6:>8.2f}  "
+             f"{'pass':<9} {'kernel':<{width}} {'class':<5} {'MB':>10}  operators"]
+    for phase, group in ops.items():
+        for o in group:
+            lines.append(f"{phase:<9} {o.name:<{width}} {o.op_class:<5} {o.bytes / 1e6:>10.4g}  "
                          + (" + ".join(o.members) if o.members else o.name))
-        lines.append(f"{phase:<9} {len(ops)} kernels")
+        lines.append(f"{phase:<9} {len(group)} kernels")
     return "\n".join(lines)
 
 

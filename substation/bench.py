@@ -671,10 +671,11 @@ def format_bench(r: dict) -> str:
     lim = r.get("limit")
     if lim:
         per = lim["per_implementation"]
-        lines.append(f"limit (measured now): {lim['contraction_flop'] / 1e9:.2f} GFLOP of contractions at the BLAS's "
-                     f"{lim['gemm_rate'] / 1e9:.0f} GFLOP/s + {lim['memory_bound_bytes'] / 1e6:.0f} MB of SN/EW "
-                     f"bytes at {lim['copy_bandwidth'] / 1e9:.1f} GB/s = {lim['limit_seconds'] * 1e3:.1f} ms "
-                     f"(at the FMA peak {lim['fma_peak'] / 1e9:.0f} GFLOP/s: {lim['fma_limit_seconds'] * 1e3:.1f} ms)")
+        lines.append(f"limit (measured now): {lim['contraction_flop'] / 1e9:.4g} GFLOP of contractions at the BLAS's "
+                     f"{lim['gemm_rate'] / 1e9:.0f} GFLOP/s + {lim['memory_bound_bytes'] / 1e6:.4g} MB of SN/EW "
+                     f"bytes at {lim['copy_bandwidth'] / 1e9:.1f} GB/s = {lim['limit_seconds'] * 1e3:.4g} ms "
+                     f"(at the FMA peak {lim['fma_peak'] / 1e9:.0f} GFLOP/s: {lim['fma_limit_seconds'] * 1e3:.4g} ms; "
+                     f"{r['dtype']})")
         others = ", ".join(f"{v['speedup_at_limit']:.3f}x {_NAMES.get(n, n)}" for n, v in per.items() if n != "substation")
         lines.append(f"  Substation at {per['substation']['fraction_of_limit'] * 100:.0f}% of the limit; "
                      f"a layer at the limit would be {others}")

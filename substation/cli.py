@@ -211,8 +211,18 @@ def cmd_report(args) -> int:
     from .analysis import analyze, format_kernels, format_report, measure, plot_report, write_json
 
     if args.kernels:
+        extra = [flag for flag, on in (("--optimized", args.optimized), ("--measure", args.measure),
+                                       ("--json", args.json), ("--plot", args.plot)) if on]
+        if extra:
+            print(f"substation: error: --kernels lists the kernels only; it does not take {', '.join(extra)}",
+                  file=sys.stderr)
+            return 2
         print(format_kernels(analyze(args.config, optimized=not args.no_fuse)))
         return 0
+    if args.no_fuse:
+        print("substation: error: --no-fuse goes with --kernels (--optimized chooses the fused graphs otherwise)",
+              file=sys.stderr)
+        return 2
     try:
         analysis = analyze(args.config, optimized=args.optimized)
     except NotImplementedError as e:

@@ -153,8 +153,11 @@ class EncoderConfig:
         _choice("mask", self.mask, MASKS)
         if not isinstance(self.cuda_arch, str) or not re.fullmatch(r"sm_\d{2,3}[a-z]?", self.cuda_arch):
             raise ConfigError(f"cuda_arch: must look like sm_90 or sm_90a; got {self.cuda_arch!r}")
+        if isinstance(self.dropout, Mapping):
+            object.__setattr__(self, "dropout", _dropout_from_mapping(self.dropout))
         if not isinstance(self.dropout, DropoutConfig):
-            raise ConfigError(f"dropout: must be a DropoutConfig, got {type(self.dropout).__name__}")
+            raise ConfigError(f"dropout: must be a DropoutConfig or a mapping with keys attention, hidden, "
+                              f"activation; got {type(self.dropout).__name__}")
         eps = self.layer_norm_eps
         if isinstance(eps, str):
             raise ConfigError(f"layer_norm_eps: must be a number in (0, 1), got the string {eps!r} (YAML 1.1 "
@@ -207,16 +210,19 @@ class EncoderConfig:
         if unknown:
             raise ConfigError(f"{unknown[0]}: unknown key (known keys: {', '.join(sorted(known))})")
         values = dict(data)
-        if "dropout" in values:
-            d = values["dropout"]
-            if not isinstance(d, Mapping):
-                raise ConfigError(f"dropout: must be a mapping with keys attention, hidden, activation; got {d!r}")
-            dknown = {f.name for f in dataclasses.fields(DropoutConfig)}
-            dunknown = sorted(set(d) - dknown)
-            if dunknown:
-                raise ConfigError(f"dropout.{dunknown[0]}: unknown key (known keys: {', '.join(sorted(dknown))})")
-            values["dropout"] = DropoutConfig(**d)
+        if "dropout" in values and not isinstance(values["dropout"], Mapping):
+            raise ConfigError(f"dropout: must be a mapping with keys attention, hidden, activation; "
+                              f"got {values['dropout']!r}")
         return cls(**values)
+
+
+def _dropout_from_mapping(d: Mapping[str, Any]) -> DropoutConfig:
+    """A :class:`DropoutConfig` from a mapping (ConfigError: an unknown key or a bad value)."""
+    known = {f.name for f in dataclasses.fields(DropoutConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"dropout.{unknown[0]}: unknown key (known keys: {', '.join(sorted(known))})")
+    return DropoutConfig(**d)
 
 
 def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]") -> EncoderConfig:

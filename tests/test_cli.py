@@ -73,3 +73,10 @@ def test_report_kernels_lists_fused_members(capsys):
     assert main(["report", "bert-base", "--kernels", "--no-fuse"]) == 0
     out = capsys.readouterr().out
     assert "after fusion" not in out and "forward   14 kernels" in out and "backward  15 kernels" in out
+
+
+def test_report_kernels_option_conflicts(capsys):
+    assert main(["report", "tiny", "--kernels", "--json", "k.json"]) == 2
+    assert "does not take --json" in capsys.readouterr().err
+    assert main(["report", "tiny", "--no-fuse"]) == 2
+    assert "--no-fuse goes with --kernels" in capsys.readouterr().err

@@ -107,7 +107,7 @@ def test_sizes_that_cannot_form_a_layer_are_rejected_at_config_time():
         TINY.replace(hidden_size=1600, num_heads=3)
     with pytest.raises(ConfigError, match=r"num_heads: must be >= 1, got 0"):
         TINY.replace(num_heads=0)
-    with pytest.raises(ConfigError, match="dropout: must be a DropoutConfig, got float"):
+    with pytest.raises(ConfigError, match="dropout: must be a DropoutConfig or a mapping with keys attention, hidden, activation; got float"):
         EncoderConfig(dropout=0.1)
 
 
