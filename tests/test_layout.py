@@ -313,3 +313,16 @@ def test_dropout_masks_do_not_depend_on_layouts(tiny_graphs):
         out.append((y.detach(), xx.grad))
     assert float((out[0][0] - out[1][0]).abs().max()) < 1e-12
     assert float((out[0][1] - out[1][1]).abs().max()) < 1e-12
+
+
+def test_plan_for_other_sizes_warns():
+    """A plan records what it was tuned for; using it on other static sizes or another dtype warns."""
+    with pytest.warns(UserWarning, match=r"made for config bert-base applied to bert-large-b8-l512: .*H=12 \(here 16\)"):
+        compile_graphs(load_config("bert-large-b8-l512"), fuse_ops=True, layout="bert-base")
+    with pytest.warns(UserWarning, match=r"dtype float32 \(here float64\)"):
+        compile_graphs(load_config("bert-base").replace(dtype="float64"), fuse_ops=True, layout="bert-base")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # other batch sizes and lengths: no warning
+        compile_graphs(load_config("bert-base").replace(batch_size=2, max_seq_len=64), fuse_ops=True,
+                       layout="bert-base")

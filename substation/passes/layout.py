@@ -44,6 +44,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Callable, Iterable, Mapping
 
 from ..config import bundled_file
@@ -1141,6 +1142,19 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
     return b.finish()
 
 
+def _warn_if_tuned_elsewhere(plan: LayoutPlan, config) -> None:
+    """A UserWarning when ``plan`` records a dtype or static sizes (H, P, I, U) other than ``config``'s:
+    it still applies (its tensors and kernels exist), but its layouts were chosen for other costs."""
+    sizes, want = plan.meta.get("sizes") or {}, config.sizes()
+    diff = [f"{k}={sizes[k]} (here {want[k]})" for k in ("H", "P", "I", "U") if k in sizes and sizes[k] != want[k]]
+    if plan.meta.get("dtype") not in (None, config.dtype):
+        diff.append(f"dtype {plan.meta['dtype']} (here {config.dtype})")
+    if diff:
+        warnings.warn(f"layout plan made for config {plan.meta.get('config', '?')} applied to {config.name}: "
+                      f"it was chosen for {', '.join(diff)}; run `substation tune` for this config",
+                      UserWarning, stacklevel=3)
+
+
 def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, LayerGraph]:
     """Apply a layout plan to a layer's (forward, backward) graphs.
 
@@ -1148,6 +1162,8 @@ def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, Laye
     conversions become ``transpose`` operators (EW, 0 flop), and row kernels get their ``vector``
     option. ``plan`` is anything :func:`load_plan` accepts; None/``"default"`` returns the graphs
     unchanged.
+
+    Warns (UserWarning) when the plan records a dtype or sizes H, P, I, U other than the graphs'.
 
     Raises:
         PlanError: the plan names tensors or operators the graphs lack, gives a layout that is not a
@@ -1159,6 +1175,7 @@ def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, Laye
     plan = load_plan(plan)
     if plan is None:
         return fwd, bwd
+    _warn_if_tuned_elsewhere(plan, fwd.config)
     known = {n: t for g in (fwd, bwd) for n, t in g.tensors.items()}
     api = {n for g in (fwd, bwd) for n, t in g.tensors.items() if t.role in ("input", "param", "output")}
     for name, layout in plan.tensors.items():
