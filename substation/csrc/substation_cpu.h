@@ -69,15 +69,16 @@ static inline void philox_blocks(uint64_t g0, uint32_t stream, uint64_t seed, ui
   for (int r = 0; r < 10; ++r) {
     const __m512i key0 = _mm512_set1_epi32((int)k0), key1 = _mm512_set1_epi32((int)k1);
     for (int v = 0; v < V; ++v) {
-      // 32 x 32 -> 64-bit products of the even lanes and of the odd lanes, split into hi and lo words
+      // high words of the 32 x 32 -> 64-bit products (even and odd lanes), low words by vpmulld;
+      // the two XORs of each new word in one ternary-logic op
       const __m512i pe0 = _mm512_mul_epu32(c0[v], m0), po0 = _mm512_mul_epu32(_mm512_srli_epi64(c0[v], 32), m0);
       const __m512i pe1 = _mm512_mul_epu32(c2[v], m1), po1 = _mm512_mul_epu32(_mm512_srli_epi64(c2[v], 32), m1);
       const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe0, 32), po0);
-      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, pe0, _mm512_slli_epi64(po0, 32));
+      const __m512i lo0 = _mm512_mullo_epi32(c0[v], m0);
       const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe1, 32), po1);
-      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, pe1, _mm512_slli_epi64(po1, 32));
-      c0[v] = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[v]), key0);
-      c2[v] = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[v]), key1);
+      const __m512i lo1 = _mm512_mullo_epi32(c2[v], m1);
+      c0[v] = _mm512_ternarylogic_epi32(hi1, c1[v], key0, 0x96);
+      c2[v] = _mm512_ternarylogic_epi32(hi0, c3[v], key1, 0x96);
       c1[v] = lo1;
       c3[v] = lo0;
     }
