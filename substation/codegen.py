@@ -73,6 +73,15 @@ def _size(letter: str) -> str:
     return "3" if letter == "T" else letter
 
 
+def linear_index(letters, index_of) -> str:
+    """The row-major linear index over ``letters`` (outermost first) as a C expression: Horner's form
+    ``((i0) * S1 + i1) * S2 + i2 ...`` with ``index_of(letter)`` as each letter's index expression."""
+    res = ""
+    for c in letters:
+        res = f"({res}) * {_size(c)} + {index_of(c)}" if res else index_of(c)
+    return res or "0"
+
+
 def _order(op: _Operand, letters) -> list[str]:
     """Letters sorted outermost first by ``op``'s strides (ties keep the given order)."""
     def key(c):
@@ -437,10 +446,7 @@ class _RowKernel:
                 self.w("#pragma omp simd" + "".join(f" reduction({r})" for r in reductions))
             self.w(f"for (int64_t i_{c} = 0; i_{c} < {_size(c)}; ++i_{c}) {{")
             self.em.indent += 1
-        lin = "0"
-        for c in self.N:
-            lin = f"i_{c}" if lin == "0" else f"({lin}) * {_size(c)} + i_{c}"
-        self.w(f"const int64_t n_ = {lin}; (void)n_;")
+        self.w(f"const int64_t n_ = {linear_index(self.N, lambda c: f'i_{c}')}; (void)n_;")
         for line in head:
             self.w(line)
         for body in bodies:
@@ -551,11 +557,7 @@ class _RowKernel:
         dims = attrs["rng_dims"]
 
         def index(inner_at_zero: bool) -> str:
-            res = ""
-            for c in dims:
-                i = "0" if inner_at_zero and c == dims[-1] else f"i_{c}"
-                res = f"({res}) * {_size(c)} + {i}" if res else i
-            return res
+            return linear_index(dims, lambda c: "0" if inner_at_zero and c == dims[-1] else f"i_{c}")
         scale = f"({self.T}){scale!r}"
         if self.row_random(m):
             # The row's random index is contiguous: one Philox block per eight elements. Eval mode

@@ -45,8 +45,8 @@ import re
 
 import sympy
 
-from .codegen import (LayoutError, _cxx, _records, _resolve, dropout_constants, plan_contraction,
-                      row_kernel_space, stat_tensors)
+from .codegen import (LayoutError, _cxx, _records, _resolve, _size, dropout_constants, linear_index,
+                      plan_contraction, row_kernel_space, stat_tensors)
 from .graph import STATIC_DIMENSIONS, LayerGraph, Operator
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "dropout_keep_mask", "STORAGE_TYPES", "COMPUTE_DTYPES",
@@ -57,10 +57,6 @@ STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "
 #: Config dtype -> dtype of the arithmetic (and of layer-norm statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
-
-
-def _size(letter: str) -> str:
-    return "3" if letter == "T" else letter
 
 
 def _symbol(dim: str):
@@ -315,11 +311,7 @@ class _RowKernel:
         dims = attrs["rng_dims"]
 
         def index(lane: bool) -> str:
-            idx = ""
-            for c in dims:
-                i = self._lane(c) if lane else f"i_{c}"
-                idx = f"({idx}) * {_size(c)} + {i}" if idx else i
-            return idx
+            return linear_index(dims, lambda c: self._lane(c) if lane else f"i_{c}")
         (t, a), = m["outputs"].values()
         x = self.val(*m["inputs"]["x"])
         scale = f"(comp_t){scale!r}"
