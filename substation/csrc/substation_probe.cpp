@@ -28,71 +28,66 @@ extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k,
   return best;
 }
 
-// Flop per second of fused multiply-adds on every thread: 12 independent chains per thread hide
-// the FMA latency; widest vectors the build targets (AVX-512, else AVX2+FMA, else scalar).
-// Returns the flop rate (2 per FMA lane); `use_double` selects 64-bit lanes.
+// The widest vectors the build targets (AVX-512, else AVX2+FMA, else scalar) for the FMA probe.
+#if defined(__AVX512F__)
+typedef __m512 VecF;
+typedef __m512d VecD;
+static inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VecD fma(VecD a, VecD b, VecD c) { return _mm512_fmadd_pd(a, b, c); }
+static inline void splat(VecF& v, double x) { v = _mm512_set1_ps((float)x); }
+static inline void splat(VecD& v, double x) { v = _mm512_set1_pd(x); }
+static inline double first(VecF v) { return v[0]; }
+static inline double first(VecD v) { return v[0]; }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 VecF;
+typedef __m256d VecD;
+static inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VecD fma(VecD a, VecD b, VecD c) { return _mm256_fmadd_pd(a, b, c); }
+static inline void splat(VecF& v, double x) { v = _mm256_set1_ps((float)x); }
+static inline void splat(VecD& v, double x) { v = _mm256_set1_pd(x); }
+static inline double first(VecF v) { return v[0]; }
+static inline double first(VecD v) { return v[0]; }
+#else
+typedef float VecF;
+typedef double VecD;
+static inline VecF fma(VecF a, VecF b, VecF c) { return a * b + c; }
+static inline VecD fma(VecD a, VecD b, VecD c) { return a * b + c; }
+static inline void splat(VecF& v, double x) { v = (float)x; }
+static inline void splat(VecD& v, double x) { v = x; }
+static inline double first(VecF v) { return v; }
+static inline double first(VecD v) { return v; }
+#endif
+
+// 12 independent chains of `iterations` FMAs (hiding the FMA latency); returns a value that
+// depends on every chain, so none is optimized away.
+template <typename V>
+static double fma_chains(int64_t iterations) {
+  V acc[12], m, d;
+  for (int k = 0; k < 12; ++k) splat(acc[k], 1.0 + 1e-3 * k);
+  splat(m, 0.999999);
+  splat(d, 1e-7);
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < 12; ++k) acc[k] = fma(acc[k], m, d);
+  }
+  double sink = 0;
+  for (int k = 0; k < 12; ++k) sink += first(acc[k]);
+  return sink;
+}
+
+// Flop per second of fused multiply-adds on every thread (2 flop per FMA lane); `use_double`
+// selects 64-bit lanes.
 extern "C" double substation_probe_fma_flops(int64_t iterations, int32_t use_double) {
-  double flop_per_thread = 0, threads = 1;
-  float sink = 0;
+  const double lanes = use_double ? sizeof(VecD) / sizeof(double) : sizeof(VecF) / sizeof(float);
+  double sink = 0, threads = 1;
   const double t0 = omp_get_wtime();
   #pragma omp parallel reduction(+:sink)
   {
-#if defined(__AVX512F__)
-    using V = __m512;
-    using VD = __m512d;
-    const int lanes = use_double ? 8 : 16;
-#define SS_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define SS_FMAD(a, b, c) _mm512_fmadd_pd(a, b, c)
-#define SS_SET(x) _mm512_set1_ps(x)
-#define SS_SETD(x) _mm512_set1_pd(x)
-#define SS_SUM(v) _mm512_reduce_add_ps(v)
-#define SS_SUMD(v) (float)_mm512_reduce_add_pd(v)
-#elif defined(__AVX2__) && defined(__FMA__)
-    using V = __m256;
-    using VD = __m256d;
-    const int lanes = use_double ? 4 : 8;
-#define SS_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define SS_FMAD(a, b, c) _mm256_fmadd_pd(a, b, c)
-#define SS_SET(x) _mm256_set1_ps(x)
-#define SS_SETD(x) _mm256_set1_pd(x)
-#define SS_SUM(v) (v[0] + v[7])
-#define SS_SUMD(v) (float)(v[0] + v[3])
-#else
-    using V = float;
-    using VD = double;
-    const int lanes = 1;
-#define SS_FMA(a, b, c) ((a) * (b) + (c))
-#define SS_FMAD(a, b, c) ((a) * (b) + (c))
-#define SS_SET(x) (x)
-#define SS_SETD(x) (x)
-#define SS_SUM(v) (v)
-#define SS_SUMD(v) (float)(v)
-#endif
-    if (use_double) {
-      VD acc[12];
-      for (int k = 0; k < 12; ++k) acc[k] = SS_SETD(1.0 + 1e-3 * k);
-      const VD m = SS_SETD(0.999999), d = SS_SETD(1e-7);
-      for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 12
-        for (int k = 0; k < 12; ++k) acc[k] = SS_FMAD(acc[k], m, d);
-      }
-      for (int k = 0; k < 12; ++k) sink += SS_SUMD(acc[k]);
-    } else {
-      V acc[12];
-      for (int k = 0; k < 12; ++k) acc[k] = SS_SET(1.0f + 1e-3f * k);
-      const V m = SS_SET(0.999999f), d = SS_SET(1e-7f);
-      for (int64_t i = 0; i < iterations; ++i) {
-#pragma GCC unroll 12
-        for (int k = 0; k < 12; ++k) acc[k] = SS_FMA(acc[k], m, d);
-      }
-      for (int k = 0; k < 12; ++k) sink += SS_SUM(acc[k]);
-    }
+    sink += use_double ? fma_chains<VecD>(iterations) : fma_chains<VecF>(iterations);
     #pragma omp single
-    {
-      flop_per_thread = 2.0 * 12.0 * lanes * (double)iterations;
-      threads = omp_get_num_threads();
-    }
+    threads = omp_get_num_threads();
   }
   const double elapsed = omp_get_wtime() - t0;
-  return sink == -1.0f ? 0.0 : flop_per_thread * threads / elapsed;  // sink keeps the chains alive
+  const double flop = 2.0 * 12.0 * lanes * (double)iterations * threads;
+  return sink == -1.0 ? 0.0 : flop / elapsed;  // sink keeps the chains alive
 }
