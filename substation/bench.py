@@ -523,9 +523,10 @@ def time_limit(config, measured_seconds: dict | None = None) -> dict:
     ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
     graphs' counts (:func:`substation.analysis.analyze`), :func:`~substation.analysis.gemm_rate` (the
     linked BLAS's best over a 2048^3 GEMM and the feed-forward shapes [B L, U, I] and [B L, I, U]),
-    :func:`~substation.analysis.copy_bandwidth` (DRAM-sized buffers; kernels whose data stay in cache can beat it) and, as the hardware's ceiling for the
-    contractions, :func:`~substation.analysis.fma_peak` (``fma_limit_seconds`` puts the flop at that
-    peak instead). All on the current OpenMP thread count.
+    :func:`~substation.analysis.copy_bandwidth` (DRAM-sized buffers; kernels whose data stay in cache
+    can beat it) and, as the hardware's ceiling for the contractions,
+    :func:`~substation.analysis.fma_peak` (``fma_limit_seconds`` puts the flop at that peak instead).
+    All on the current OpenMP thread count.
 
     Args:
         config: an :class:`~substation.EncoderConfig` (sizes as benchmarked).
@@ -548,14 +549,15 @@ def time_limit(config, measured_seconds: dict | None = None) -> dict:
     nbytes = an.total("total", "SN")["bytes"] + an.total("total", "EW")["bytes"]
     tokens, hidden, ffn = config.batch_size * config.max_seq_len, config.hidden_size, config.ffn_size
     shapes = ((2048, 2048, 2048), (tokens, ffn, hidden), (tokens, hidden, ffn))  # square; linear1, linear2
-    rate, peak = gemm_rate(config.dtype, shapes), fma_peak(config.dtype)
+    calls = 5
+    rate, peak = gemm_rate(config.dtype, shapes, repeats=calls), fma_peak(config.dtype)
     bw, buffer_bytes = copy_bandwidth()
     limit = flop / rate + nbytes / bw
     per = {name: {"seconds": secs, "fraction_of_limit": limit / secs, "speedup_at_limit": secs / limit}
            for name, secs in (measured_seconds or {}).items()}
     return {"contraction_flop": int(flop), "memory_bound_bytes": int(nbytes), "gemm_rate": rate,
             "gemm_probe": {"shapes_mnk": [list(v) for v in shapes], "method": "best over the shapes of the fastest "
-                           "of 5 calls after one untimed call"}, "fma_peak": peak,
+                           f"of {calls} calls after one untimed call"}, "fma_peak": peak,
             "copy_bandwidth": bw, "copy_buffer_bytes": buffer_bytes, "limit_seconds": limit,
             "fma_limit_seconds": flop / peak + nbytes / bw, "per_implementation": per}
 

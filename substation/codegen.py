@@ -565,7 +565,7 @@ class _RowKernel:
             # its neighbours.
             rw, = self._names("rw")
             self.pre(f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {attrs['stream']}u, "
-                     f"(uint64_t)({index(True)}), nn_, rnd{self.k}_.data()) : ss::keep_all_bits(rnd{self.k}_.data(), nn_);")
+                     f"(uint64_t)({index(True)}), nn_, rnd{self.k}_.data()) : ss::keep_all_bits(rnd{self.k}_.data());")
             self._ew(m, f"ss::dropout(v_x, {rw}[n_], training ? {threshold}u : 0u, training ? {scale} : ({self.T})1)")
         else:
             self._ew(m, f"training ? ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, "

@@ -131,7 +131,7 @@ static inline const bits16_t* random_row(uint64_t seed, uint32_t stream, uint64_
 
 // Bits that keep every element (all zero) for eval mode: the row's scratch, zero-initialised by its
 // std::vector and never written by random_row while training is off.
-static inline const bits16_t* keep_all_bits(const uint32_t* scratch, int64_t) {
+static inline const bits16_t* keep_all_bits(const uint32_t* scratch) {
   return reinterpret_cast<const bits16_t*>(scratch);
 }
 
