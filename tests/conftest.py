@@ -67,10 +67,12 @@ def fresh_toolchain(monkeypatch, tmp_path):
     from substation.build_cuda import cuda_toolchain
 
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
-    toolchain.cache_clear(), cuda_toolchain.cache_clear()
+    toolchain.cache_clear()
+    cuda_toolchain.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    toolchain.cache_clear(), cuda_toolchain.cache_clear()
+    toolchain.cache_clear()
+    cuda_toolchain.cache_clear()
 
 
 @pytest.fixture(scope="session")
