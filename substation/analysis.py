@@ -479,6 +479,34 @@ def _l3_bytes() -> int:
     return best or 32 << 20
 
 
+class _CopyTimer:
+    """Times one STREAM-like copy ``dst.copy_(src)`` (torch, all threads) of float64 buffers per call.
+
+    Buffers are ``buffer_bytes`` each (default 4x the largest cache, at least 64 MiB); two untimed
+    copies at construction touch every page.
+    """
+
+    def __init__(self, buffer_bytes: int | None = None):
+        import torch
+
+        n = int(buffer_bytes or max(4 * _l3_bytes(), 64 << 20)) // 8
+        self.buffer_bytes = n * 8
+        self._src = torch.ones(n, dtype=torch.float64)
+        self._dst = torch.empty_like(self._src)
+        self._dst.copy_(self._src)
+        self._dst.copy_(self._src)
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        self._dst.copy_(self._src)
+        self.seconds.append(time.perf_counter() - t0)
+
+    def bandwidth(self) -> float:
+        """Bytes/s of the median timed copy, counting read + write = 2 x buffer bytes as STREAM does."""
+        return 2 * self.buffer_bytes / statistics.median(self.seconds)
+
+
 def copy_bandwidth(buffer_bytes: int | None = None, repeats: int = 10) -> tuple[float, int]:
     """STREAM-like copy bandwidth: median over ``repeats`` of ``dst.copy_(src)`` (torch, all threads).
 
@@ -492,22 +520,12 @@ def copy_bandwidth(buffer_bytes: int | None = None, repeats: int = 10) -> tuple[
     Raises:
         ValueError: ``repeats`` < 1.
     """
-    import torch
-
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    nbytes = int(buffer_bytes or max(4 * _l3_bytes(), 64 << 20))
-    n = nbytes // 8
-    src = torch.ones(n, dtype=torch.float64)
-    dst = torch.empty_like(src)
-    times = []
-    for r in range(repeats + 2):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        dt = time.perf_counter() - t0
-        if r >= 2:
-            times.append(dt)
-    return 2 * n * 8 / statistics.median(times), n * 8
+    timer = _CopyTimer(buffer_bytes)
+    for _ in range(repeats):
+        timer()
+    return timer.bandwidth(), timer.buffer_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,7 +593,10 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     ``optimized``, so the timers match the graphs :func:`analyze` counted with the same flag) unless an
     instrumented ``compiled`` (:class:`~substation.runtime.CompiledLayer`) is given, runs ``warmup``
     untimed and ``repeats`` timed forward+backward steps, and measures the copy bandwidth
-    (:func:`copy_bandwidth` with buffers of ``copy_bytes``, default 4x the last-level cache) in the same run.
+    (:func:`copy_bandwidth`'s copy with buffers of ``copy_bytes``, default 4x the last-level cache) in
+    the same run: four copies timed after each timed step, the median over all of them, so the copy
+    sees the same machine state as the kernels (the memory bandwidth of a shared machine drifts by
+    tens of percent within seconds).
 
     Returns:
         a :class:`Measurement` (seconds per call are medians over the repeats).
@@ -607,6 +628,7 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     mask = torch.zeros(b, j, dtype=layer.torch_dtype) if config.mask != "none" else None
     per_op: dict = {}
     per_pass: dict = {"forward": [], "backward": []}
+    copy = _CopyTimer(copy_bytes)
     for r in range(warmup + repeats):
         compiled.forward.op_seconds(reset=True)
         compiled.backward.op_seconds(reset=True)
@@ -623,9 +645,11 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
         for phase, lib in (("forward", compiled.forward), ("backward", compiled.backward)):
             for name, s in lib.op_seconds(reset=True).items():
                 per_op.setdefault((phase, name), []).append(s)
-    bw, nbytes = copy_bandwidth(copy_bytes)
+        for _ in range(4):
+            copy()
     return Measurement({k: statistics.median(v) for k, v in per_op.items()},
-                       {k: statistics.median(v) for k, v in per_pass.items()}, bw, nbytes, repeats, warmup)
+                       {k: statistics.median(v) for k, v in per_pass.items()}, copy.bandwidth(),
+                       copy.buffer_bytes, repeats, warmup)
 
 
 # -- presentation --------------------------------------------------------------------------------

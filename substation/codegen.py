@@ -280,6 +280,10 @@ class _Emitter:
 
 #: Rows a float column reduction sums in float before adding into its double accumulator.
 COLUMN_BLOCK = 32
+#: Elements per dropout-mask chunk when a row's random words are drawn next to the loop that uses
+#: them: 256 elements are 32 Philox blocks, one two-chain AVX-512 call, and the chunk's generation
+#: overlaps the previous chunk's loads and stores (a whole row first would stall on memory after).
+RANDOM_CHUNK = 256
 
 
 def dropout_constants(p: float) -> tuple[int, float]:
@@ -330,6 +334,7 @@ class _RowKernel:
         self.pending: list | None = None  # loops collected inside a row (None: write at once)
         self.row_items: list | None = None  # a row's lines and merged loops, rendered at its end
         self.prelude: list[str] = []
+        self.random: dict[str, tuple] = {}  # row-random mask name -> (declaration line, chunked form)
         self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
         # Which produced tensors later members read (or softmax needs as scratch): buffered.
         self.buffers, self.scalars = [], []
@@ -413,16 +418,24 @@ class _RowKernel:
     def _render_row(self) -> None:
         """Write the row's lines and loops. The stores of a loop to a row buffer that nothing after
         the loop reads become register assignments (reads earlier in the loop still load the buffer,
-        later ones take the register): those stores would only cost bandwidth."""
+        later ones take the register): those stores would only cost bandwidth. A dropout mask that one
+        loop alone uses is drawn inside it, :data:`RANDOM_CHUNK` elements at a time."""
         items, self.row_items = self.row_items, None
+        text = [x if isinstance(x, str) else "\n".join(ln for b in x[0] for ln in b) for _, x in items]
+        chunked: dict[int, list[str]] = {}  # loop item -> masks drawn chunk by chunk inside it
+        for rw in self.random:
+            users = [j for j, t in enumerate(text) if f"{rw}[" in t]
+            if len(users) == 1 and not isinstance(items[users[0]][1], str):
+                chunked.setdefault(users[0], []).append(rw)
+        drawn_inside = {self.random[rw][0] for rws in chunked.values() for rw in rws}
         for i, (indent, item) in enumerate(items):
             self.em.indent = indent
             if isinstance(item, str):
-                self.w(item)
+                if item not in drawn_inside:
+                    self.w(item)
                 continue
             bodies, reductions = item
-            later = "\n".join(x if isinstance(x, str) else "\n".join(ln for b in x[0] for ln in b)
-                              for _, x in items[i + 1:])
+            later = "\n".join(text[i + 1:])
             local = [t for t in self.buffers if f"buf_{t}[" not in later
                      and any(ln.startswith(f"buf_{t}[n_] = ") for b in bodies for ln in b)]
             stored: set[str] = set()
@@ -438,13 +451,31 @@ class _RowKernel:
                         line = line.replace(ref, f"reg_{t}")
                 return line
             bodies = [[rewrite(ln) for ln in b] for b in bodies]
-            self._loop(bodies, reductions, [f"{self.T} " + ", ".join(f"reg_{t}" for t in local) + ";"] if local else [])
+            head = [f"{self.T} " + ", ".join(f"reg_{t}" for t in local) + ";"] if local else []
+            rws = chunked.get(i)
+            if not rws:
+                self._loop(bodies, reductions, head)
+                continue
+            # Masks used by this loop alone: drawn per chunk inside it, indexed from the chunk start.
+            for rw in rws:
+                bodies = [[ln.replace(f"{rw}[n_]", f"{rw}[n_ - c0_]") for ln in b] for b in bodies]
+            self.w(f"for (int64_t c0_ = 0; c0_ < nn_; c0_ += {RANDOM_CHUNK}) {{")
+            self.em.indent += 1
+            self.w(f"const int64_t c1_ = std::min<int64_t>(c0_ + {RANDOM_CHUNK}, nn_);")
+            for rw in rws:
+                self.w(self.random[rw][1])
+            self._loop(bodies, reductions, head, ("c0_", "c1_"))
+            self.em.indent -= 1
+            self.w("}")
 
-    def _loop(self, bodies: list[list[str]], reductions: list[str], head: list[str] = ()) -> None:
+    def _loop(self, bodies: list[list[str]], reductions: list[str], head: list[str] = (),
+              span: tuple[str, str] | None = None) -> None:
+        """Write one loop over the inner letters N (``span``: bounds of the single letter instead)."""
         for k, c in enumerate(self.N):
             if k == len(self.N) - 1:
                 self.w("#pragma omp simd" + "".join(f" reduction({r})" for r in reductions))
-            self.w(f"for (int64_t i_{c} = 0; i_{c} < {_size(c)}; ++i_{c}) {{")
+            lo, hi = span or ("0", _size(c))
+            self.w(f"for (int64_t i_{c} = {lo}; i_{c} < {hi}; ++i_{c}) {{")
             self.em.indent += 1
         self.w(f"const int64_t n_ = {linear_index(self.N, lambda c: f'i_{c}')}; (void)n_;")
         for line in head:
@@ -564,8 +595,13 @@ class _RowKernel:
             # keeps every element (threshold 0, scale 1) through the same loop, so it merges with
             # its neighbours.
             rw, = self._names("rw")
-            self.pre(f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {attrs['stream']}u, "
-                     f"(uint64_t)({index(True)}), nn_, rnd{self.k}_.data()) : ss::keep_all_bits(rnd{self.k}_.data());")
+            scratch = f"rnd{self.k}_.data()"
+
+            def draw(first: str, count: str) -> str:
+                return (f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {attrs['stream']}u, "
+                        f"(uint64_t)({index(True)}){first}, {count}, {scratch}) : ss::keep_all_bits({scratch});")
+            self.random[rw] = (draw("", "nn_"), draw(" + c0_", "c1_ - c0_"))
+            self.pre(self.random[rw][0])
             self._ew(m, f"ss::dropout(v_x, {rw}[n_], training ? {threshold}u : 0u, training ? {scale} : ({self.T})1)")
         else:
             self._ew(m, f"training ? ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, "

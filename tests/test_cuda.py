@@ -153,15 +153,36 @@ def test_generated_source_structure(name):
         assert needle in header
 
 
-def test_numpy_dropout_mask_matches_the_cpu_build():
-    layer = make_layer(load_config("tiny").replace(dropout=HEAVY_DROPOUT))
-    b, j, h = 4, 7, layer.config.num_heads
+@pytest.mark.parametrize("b, j", [(4, 7), (1, 300)])  # 300: rows drawn in 256-element chunks, plus a tail
+def test_numpy_dropout_mask_matches_the_cpu_build(b, j):
+    layer = make_layer(load_config("tiny").replace(dropout=HEAVY_DROPOUT, max_seq_len=j))
+    h = layer.config.num_heads
     given = {"X": torch.randn(b, j, 16, dtype=torch.float64), "mask": torch.zeros(b, j, dtype=torch.float64),
              **{n: getattr(layer, n).detach() for n in layer.parameter_names}}
     seed = 0x0123456789ABCDEF
     out = layer.compiled.forward(given, b, j, seed=seed, training=True)
     keep = dropout_keep_mask(seed, 1, np.arange(b * h * j * j).reshape(b, h, j, j), HEAVY_DROPOUT["attention"])
     assert np.array_equal(out["A_drop"].numpy() != 0, keep & (out["A"].numpy() != 0))
+
+
+@pytest.mark.parametrize("stream, zeroed, ones", [(2, "linear2", "out_proj"), (4, "out_proj", "linear2")])
+def test_numpy_hidden_dropout_masks_match_the_cpu_build(stream, zeroed, ones):
+    """Rows of I = 300 draw their masks in chunks (256 + 44 elements). Pre-LN with one branch's output
+    projection zeroed and the other's a constant 1 makes Y - X that branch's dropout output."""
+    config = load_config("tiny").replace(layer_norm="pre", hidden_size=300, num_heads=3, ffn_size=40,
+                                         dropout={"attention": 0.0, "hidden": 0.4, "activation": 0.0})
+    layer = make_layer(config)
+    b, j = 2, 7
+    given = {"X": torch.randn(b, j, 300, dtype=torch.float64), "mask": torch.zeros(b, j, dtype=torch.float64),
+             **{n: getattr(layer, n).detach() for n in layer.parameter_names}}
+    for prefix, value in ((zeroed, 0.0), (ones, 1.0)):
+        given[f"{prefix}_weight"] = torch.zeros_like(given[f"{prefix}_weight"])
+        given[f"{prefix}_bias"] = torch.full_like(given[f"{prefix}_bias"], value)
+    seed = 0xFEDCBA9876543210
+    y = layer.compiled.forward(given, b, j, seed=seed, training=True)["Y"]
+    keep = dropout_keep_mask(seed, stream, np.arange(b * j * 300).reshape(b, j, 300), 0.4)
+    assert np.array_equal((y - given["X"]).numpy() != 0, keep)
+    assert 0.5 < keep.mean() < 0.7
 
 
 # -- the CPU emulation of the generated code -------------------------------------------------------
