@@ -3,12 +3,6 @@
 ``substation.compile(config)`` turns an encoder config into an :class:`EncoderLayer`, a
 ``torch.nn.Module`` whose forward and backward passes run generated, BLAS-backed C++.
 """
-import os as _os
-
-# torch's and the generated code's OpenMP threads share the cores: sleeping instead of spinning
-# between parallel regions keeps alternating calls cheap (set before either runtime starts).
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 __version__ = "0.1.0"
 
 from .config import ConfigError, EncoderConfig, load_config  # noqa: E402
