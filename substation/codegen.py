@@ -632,8 +632,11 @@ class _RowKernel:
         # Every key masked (max -inf): exp gives 0 everywhere and the probabilities are 0, without a
         # branch, so the normalizing loop merges with what follows.
         self.stmt(f"if ({mx} == ({T})(-INFINITY)) {mx} = 0;")
-        self.pre(f"{T} {sm} = 0;")
-        self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
+        if T == "float" and x.startswith("buf_") and len(self.N) == 1:  # a row buffer: one vector routine
+            self.stmt(f"{T} {sm} = ss::exp_shifted_row(&{x.replace('[n_]', '[0]')}, &buf_{y}[0], nn_, {mx});")
+        else:
+            self.pre(f"{T} {sm} = 0;")
+            self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
         self.stmt(f"const {T} {inv} = {sm} > 0 ? ({T})(1.0 / {sm}) : ({T})0;")
         self.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + self.put(y, ya, "v_"))
 

@@ -198,6 +198,43 @@ def test_random_row_matches_random_bits(tmp_path, monkeypatch):
         assert abs(frac - keep) < 5 * math.sqrt(p * (1 - p) / 1e6)
 
 
+def test_exp_shifted_row_matches_float64(tmp_path, monkeypatch):
+    """ss::exp_shifted_row (softmax's exponentials of a row buffer) against float64 exp: within 2 ulp
+    (relative 2.4e-7), exactly 0 below -87.3 and for -inf, NaN kept, nothing written past n, the sum
+    of what it wrote; rows of 1..40 elements cover the vector tail."""
+    import ctypes
+
+    import numpy as np
+
+    from substation.build import build_library
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
+    src = """
+        #include "substation_cpu.h"
+        extern "C" float row(const float* x, float* y, int64_t n, float mx) { return ss::exp_shifted_row(x, y, n, mx); }
+    """
+    lib = ctypes.CDLL(build_library(src, "exp_row").path)
+    lib.row.restype = ctypes.c_float
+    lib.row.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+    ptr = lambda arr: arr.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    x = np.concatenate([np.linspace(-90, 88, 200001), [-np.inf, 0.69, 0.71, 88.0]]).astype(np.float32)
+    y = np.full(len(x) + 3, 7.0, dtype=np.float32)
+    total = lib.row(ptr(x), ptr(y), len(x), ctypes.c_float(88.0))
+    t = x - np.float32(88.0)  # the shift happens in float32
+    want = np.exp(t.astype(np.float64))
+    normal = t >= -87.3
+    assert np.all(np.abs(y[:len(x)][normal] - want[normal]) <= 2.4e-7 * want[normal])
+    assert np.all(y[:len(x)][~normal] == 0) and (y[len(x):] == 7.0).all()
+    assert math.isclose(total, y[:len(x)].astype(np.float64).sum(), rel_tol=1e-5)
+    for n in range(1, 41):
+        xs = np.linspace(-3, 1, n).astype(np.float32)
+        ys = np.full(n + 1, 7.0, dtype=np.float32)
+        s = lib.row(ptr(xs), ptr(ys), n, ctypes.c_float(1.0))
+        assert np.allclose(ys[:n], np.exp(xs.astype(np.float64) - 1), rtol=2.4e-7, atol=0) and ys[n] == 7.0
+        assert math.isclose(s, ys[:n].astype(np.float64).sum(), rel_tol=1e-6)
+    nan = np.array([0.0, np.nan, -1.0], dtype=np.float32)
+    assert np.isnan(lib.row(ptr(nan), ptr(y), 3, ctypes.c_float(0.0))) and np.isnan(y[1])
+
+
 def test_freed_memory_is_kept_between_steps(monkeypatch):
     """After warm-up a training step page-faults (almost) never: glibc keeps freed tensors' memory."""
     import resource
