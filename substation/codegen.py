@@ -623,7 +623,8 @@ class _RowKernel:
         return [f"{b}{self.k}_" for b in bases]
 
     def _softmax(self, m, attrs):
-        x = self.read(*m["inputs"]["x"])
+        xt, xa = m["inputs"]["x"]
+        x = self.read(xt, xa)
         y, ya = m["outputs"]["y"]
         T = self.T
         mx, sm, inv = self._names("mx", "s", "inv")
@@ -632,13 +633,26 @@ class _RowKernel:
         # Every key masked (max -inf): exp gives 0 everywhere and the probabilities are 0, without a
         # branch, so the normalizing loop merges with what follows.
         self.stmt(f"if ({mx} == ({T})(-INFINITY)) {mx} = 0;")
-        if T == "float" and x.startswith("buf_") and len(self.N) == 1:  # a row buffer: one vector routine
-            self.stmt(f"{T} {sm} = ss::exp_shifted_row(&{x.replace('[n_]', '[0]')}, &buf_{y}[0], nn_, {mx});")
+        row = self._row_start(xt, xa, x) if T == "float" else None
+        if row:  # a contiguous row: one vector routine
+            self.stmt(f"{T} {sm} = ss::exp_shifted_row({row}, &buf_{y}[0], nn_, {mx});")
         else:
             self.pre(f"{T} {sm} = 0;")
             self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
-        self.stmt(f"const {T} {inv} = {sm} > 0 ? ({T})(1.0 / {sm}) : ({T})0;")
+        self.stmt(f"const {T} {inv} = {sm} == 0 ? ({T})0 : ({T})(1.0 / {sm});")  # a NaN sum stays NaN
         self.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + self.put(y, ya, "v_"))
+
+    def _row_start(self, t: str, a: str, expr: str) -> str | None:
+        """The address of this row's first element of operand ``expr`` (tensor ``t``, access ``a``) when
+        the row is contiguous (a row buffer, or unit stride along the single inner letter), else None."""
+        if len(self.N) != 1:
+            return None
+        if expr.startswith("buf_"):
+            return f"&{expr.replace('[n_]', '[0]')}"
+        op = _resolve(self.graph, t, a)
+        if self.memory(t) and op.strides.get(self.N[0]) == 1:
+            return f"&{t}[{op.offset(self.R)}]"
+        return None
 
     def _softmax_grad(self, m, attrs):
         dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])

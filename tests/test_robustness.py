@@ -177,6 +177,20 @@ def test_mask_kinds_left_padding_holes_fully_masked(config, kind):
     check_against_reference(layer, x, g, ours, additive(pad, dt, value).double())
 
 
+@pytest.mark.parametrize("config", [TINY, TINY.replace(mask="none", dtype="float32")], ids=["float64", "float32-nomask"])
+def test_nan_input_gives_nan_probability_rows_like_torch(config):
+    """A NaN in one token's input makes every attention row of its sequence NaN, as torch.softmax does
+    (the row sum is NaN, and so its inverse), and leaves the other sequence as it is when run alone
+    (up to the GEMMs' rounding at another batch size)."""
+    layer = make_layer(config)
+    x = randn(2, 5, 16, seed=8)
+    x[0, 2, 3] = float("nan")
+    a = forward_tensors(layer, x)["A"]
+    assert torch.isnan(a[0]).all() and torch.isfinite(a[1]).all()
+    clean = forward_tensors(layer, x[1:])["A"]
+    assert (a[1:] - clean).abs().max() <= (1e-6 if config.dtype == "float32" else 1e-14)
+
+
 def test_fully_masked_sequence_documented_value():
     """All keys masked with -inf: zero attention probabilities, so the attention output is out_proj_bias and
     (post-LN) Y = LN2(h + FFN(h)) with h = LN1(X + out_proj_bias); gradients are finite, those of

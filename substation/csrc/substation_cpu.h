@@ -193,9 +193,10 @@ static inline float exp_shifted_row(const float* __restrict__ x, float* __restri
   }
   sum = _mm512_reduce_add_ps(acc);
 #endif
-  for (; i < n; ++i) {
-    y[i] = exp_(x[i] - mx);
-    sum += y[i];
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = i; j < n; ++j) {
+    y[j] = exp_(x[j] - mx);
+    sum += y[j];
   }
   return sum;
 }
