@@ -649,10 +649,10 @@ class _RowKernel:
             return None
         if expr.startswith("buf_"):
             return f"&{expr.replace('[n_]', '[0]')}"
+        if not self.memory(t):
+            return None
         op = _resolve(self.graph, t, a)
-        if self.memory(t) and op.strides.get(self.N[0]) == 1:
-            return f"&{t}[{op.offset(self.R)}]"
-        return None
+        return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
 
     def _softmax_grad(self, m, attrs):
         dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])

@@ -145,20 +145,27 @@ static inline T dropout(T x, uint32_t bits, uint32_t threshold, T scale) {
 // Elementary functions. float: branch-free approximations that GCC vectorizes inside
 // `#pragma omp simd` loops (scalar libm calls would not vectorize); double: libm.
 // exp: Cody-Waite range reduction and the Cephes expf polynomial (about 1 ulp); inputs below
-// -87.3 give exactly 0 so masked scores (-inf) vanish.
+// -87.3 give exactly 0 so masked scores (-inf) vanish. The constants, shared with exp_shifted_row:
+namespace expf_constants {
+constexpr float lo = -87.3f, hi = 88.3f, log2e = 1.44269504088896341f;
+constexpr float ln2_hi = 0.693359375f, ln2_lo = 2.12194440e-4f;  // ln 2 = ln2_hi - ln2_lo
+constexpr float c5 = 1.9875691500e-4f, c4 = 1.3981999507e-3f, c3 = 8.3334519073e-3f, c2 = 4.1665795894e-2f,
+                c1 = 1.6666665459e-1f, c0 = 5.0000001201e-1f;  // exp(r) ~ 1 + r + r^2 (c0 + c1 r + ... + c5 r^5)
+}  // namespace expf_constants
 static inline float exp_(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace expf_constants;
+  const float xc = std::min(std::max(x, lo), hi);
+  const float n = std::floor(xc * log2e + 0.5f);
+  const float r = (xc - n * ln2_hi) + n * ln2_lo;
+  float p = c5;
+  p = p * r + c4;
+  p = p * r + c3;
+  p = p * r + c2;
+  p = p * r + c1;
+  p = p * r + c0;
   p = p * r * r + r + 1.0f;
   const float scale = __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
-  return x < -87.3f ? 0.0f : p * scale;
+  return x < lo ? 0.0f : p * scale;
 }
 static inline double exp_(double x) { return std::exp(x); }
 
@@ -170,22 +177,19 @@ static inline float exp_shifted_row(const float* __restrict__ x, float* __restri
   int64_t i = 0;
   float sum = 0;
 #if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.3f);
+  using namespace expf_constants;
+  const __m512 m = _mm512_set1_ps(mx), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
   __m512 acc = _mm512_setzero_ps();
   for (; i < n; i += 16) {
     const __mmask16 tail = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
     const __m512 t = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), m);
-    const __mmask16 live = _mm512_cmp_ps_mask(t, lo, _CMP_NLT_UQ) & tail;
-    const __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, t));
-    const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+    const __mmask16 live = _mm512_cmp_ps_mask(t, vlo, _CMP_NLT_UQ) & tail;
+    const __m512 xc = _mm512_min_ps(vhi, _mm512_max_ps(vlo, t));
+    const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(log2e), _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), xc));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(ln2_lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(ln2_hi), xc));
+    __m512 p = _mm512_set1_ps(c5);
+    for (const float c : {c4, c3, c2, c1, c0}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512 e = _mm512_maskz_scalef_ps(live, p, k);
     _mm512_mask_storeu_ps(y + i, tail, e);
