@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ at the repository root and install Substation with everything it needs:
 # PyTorch (CPU build), DaCe, Intel MKL (the BLAS the generated code links against), the test and
-# Hugging Face extras. Re-running is cheap: it reinstalls only when setup.cfg changed.
+# Hugging Face extras. Re-running is cheap: it reinstalls only when the packaging files changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,7 +14,7 @@ if ! command -v "${CXX:-g++}" >/dev/null; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 STAMP=.venv/.substation-installed
-WANT="$( (cat setup.cfg pyproject.toml; command -v nvcc || true) | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat setup.cfg setup.py pyproject.toml; command -v nvcc || true) | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   # The CPU build of torch first, pinned: an open range would pull a multi-GB CUDA build.

@@ -533,9 +533,10 @@ def _probe_library():
     """The machine-probe library (``csrc/substation_probe.cpp``), built through the build cache."""
     import ctypes
 
-    from .build import _HEADER_DIR, build_library
+    from .build import build_library
+    from .resources import csrc_file
 
-    with open(os.path.join(_HEADER_DIR, "substation_probe.cpp")) as f:
+    with open(csrc_file("substation_probe.cpp")) as f:
         lib = ctypes.CDLL(build_library(f.read(), "probe").path)
     lib.substation_probe_gemm_seconds.restype = ctypes.c_double
     lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2

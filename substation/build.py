@@ -23,10 +23,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .resources import csrc_dir, csrc_file
+
 __all__ = ["ToolchainError", "BuildError", "Toolchain", "toolchain", "cache_dir", "build_library",
            "build_libraries"]
 
-_HEADER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
 
@@ -137,10 +138,20 @@ def _cpu_id() -> str:
 
 
 def _header_text() -> str:
+    """Every file of ``substation/csrc`` (name and text; folders such as ``__pycache__`` skipped), for
+    the build key.
+
+    Raises:
+        FileNotFoundError: the install lacks the runtime header ``substation_cpu.h``.
+    """
+    csrc_file("substation_cpu.h")  # an install without its headers fails here, naming the file
+    folder = csrc_dir()
     parts = []
-    for name in sorted(os.listdir(_HEADER_DIR)):
-        with open(os.path.join(_HEADER_DIR, name)) as f:
-            parts.append(name + "\n" + f.read())
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                parts.append(name + "\n" + f.read())
     return "\n".join(parts)
 
 
@@ -213,7 +224,7 @@ def build_library(source: str, label: str = "lib") -> BuildResult:
     """
     tc = toolchain()
     return cached_build(build_key(source), label, source, "source.cpp",
-                        lambda src, lib: [tc.cxx, *FLAGS, f"-I{_HEADER_DIR}", f"-I{tc.blas_include}", src, "-o",
+                        lambda src, lib: [tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", src, "-o",
                                           lib, *tc.link_args()])
 
 

@@ -35,12 +35,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from .build import BuildResult, ToolchainError, cached_build, find_cxx
+from .resources import csrc_dir, csrc_file
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
            "emulation_toolchain", "arch_number"]
 
-_HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "substation_cuda.cuh")
-_HEADER_DIR = os.path.dirname(_HEADER)
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([a-z]?)$")
 #: Toolkit folders searched for bin/nvcc after PATH, $CUDA_HOME and $CUDA_PATH.
 DEFAULT_CUDA_ROOTS = ("/usr/local/cuda",)
@@ -232,7 +231,8 @@ def emulation_toolchain() -> tuple[str, str, tuple[str, ...]]:
 
 
 def _header_text() -> str:
-    with open(_HEADER) as f:
+    """The runtime header that generated CUDA code includes (``substation_cuda.cuh``), for the build key."""
+    with open(csrc_file("substation_cuda.cuh")) as f:
         return f.read()
 
 
@@ -240,14 +240,14 @@ def _command(src: str, lib: str, arch: str, emulate: bool) -> tuple[list[str], s
     """(compiler command, identity of the toolchain for the cache key)."""
     if emulate:
         cxx, version, incs = emulation_toolchain()
-        cmd = [cxx, *EMULATION_FLAGS, f"-I{_HEADER_DIR}", *(f"-I{d}" for d in incs), src, "-o", lib]
+        cmd = [cxx, *EMULATION_FLAGS, f"-I{csrc_dir()}", *(f"-I{d}" for d in incs), src, "-o", lib]
         return cmd, version
     tc = cuda_toolchain()
     tc.require_cublas()
     link = ["-Xlinker", tc.cublas_lib, "-Xlinker", "-rpath", "-Xlinker", os.path.dirname(tc.cublas_lib)]
     for d in tc.lib_dirs:
         link += ["-Xlinker", "-rpath", "-Xlinker", d]
-    cmd = [tc.nvcc, *nvcc_flags(arch), f"-I{_HEADER_DIR}", f"-I{tc.cublas_include}", src, "-o", lib, *link]
+    cmd = [tc.nvcc, *nvcc_flags(arch), f"-I{csrc_dir()}", f"-I{tc.cublas_include}", src, "-o", lib, *link]
     return cmd, f"nvcc {tc.nvcc_version} cublas {tc.cublas_version} {os.path.realpath(tc.cublas_lib)}"
 
 

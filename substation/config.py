@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from .resources import bundled_file
+
 __all__ = ["ConfigError", "DropoutConfig", "EncoderConfig", "load_config"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -253,13 +255,3 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
         data = dict(data, name=os.path.splitext(os.path.basename(path))[0])
     return EncoderConfig.from_dict(data if data is not None else {})
 
-
-def bundled_configs_dir() -> str:
-    """The ``configs/`` folder shipped with the repository."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-
-
-def bundled_file(name: str, suffix: str) -> str | None:
-    """``configs/<name><suffix>`` if the repository ships it (e.g. ``bert-base`` + ``.yaml``), else None."""
-    path = os.path.join(bundled_configs_dir(), f"{name}{suffix}")
-    return path if os.path.exists(path) else None

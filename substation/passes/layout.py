@@ -47,8 +47,8 @@ import time
 import warnings
 from typing import Callable, Iterable, Mapping
 
-from ..config import bundled_file
 from ..graph import GraphBuilder, LayerGraph, Operator
+from ..resources import bundled_file
 
 __all__ = [
     "PLAN_FORMAT", "LayoutError", "LayoutInfeasible", "PlanError", "CostModel", "Mode", "Candidate",
