@@ -281,7 +281,7 @@ def check_dropout(name: str, b: int, j: int, seed: int = 0x0123456789ABCDEF) -> 
         if tensor not in out:
             continue
         field, stream, dims = DROPOUT_SITES[site]
-        p = getattr(cfg.dropout, field)
+        p = cfg.dropout.probability(field)
         shape = [sizes[d] for d in dims]
         keep = dropout_keep_mask(seed, stream, np.arange(int(np.prod(shape))).reshape(shape), p)
         got = out[tensor].float().cpu().numpy() != 0

@@ -81,18 +81,32 @@ class DropoutConfig:
 
     Attributes:
         attention: on the attention probabilities (after softmax), shape [B, H, J, K].
-        hidden: on the attention output projection and on the feed-forward output, before each
-            residual addition, shape [B, J, I].
+        hidden: on the feed-forward output before its residual addition, shape [B, J, I], and on the
+            attention output projection unless ``attention_output`` is set.
         activation: after the feed-forward activation, shape [B, J, U] (0 in BERT).
+        attention_output: on the attention output projection before its residual addition, shape
+            [B, J, I]; ``None`` (the default) means the same as ``hidden``, as in BERT (DistilBERT: 0).
     """
 
     attention: float = 0.1
     hidden: float = 0.1
     activation: float = 0.0
+    attention_output: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _prob(f"dropout.{f.name}", getattr(self, f.name))
+            if f.name != "attention_output" or self.attention_output is not None:
+                object.__setattr__(self, f.name, _prob(f"dropout.{f.name}", getattr(self, f.name)))
+
+    def probability(self, site: str) -> float:
+        """The probability of the dropout ``site`` (a field name; ``attention_output`` resolved)."""
+        if site == "attention_output" and self.attention_output is None:
+            return self.hidden
+        return getattr(self, site)
+
+    def probabilities(self) -> tuple[float, ...]:
+        """Every site's probability, ``attention_output`` resolved."""
+        return tuple(self.probability(f.name) for f in dataclasses.fields(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +122,7 @@ class EncoderConfig:
         activation: ``gelu`` (erf form), ``gelu_tanh`` (tanh approximation) or ``relu``.
         layer_norm: ``post`` (BERT: residual then layer norm) or ``pre`` (layer norm on each branch input).
         dropout: the three dropout probabilities.
-        layer_norm_eps: epsilon added to the variance, > 0.
+        layer_norm_eps: epsilon added to the variance, > 0 and finite (any size, as ``nn.LayerNorm``).
         dtype: ``float32`` or ``float64``; with target ``cuda`` also ``float16`` or ``bfloat16``.
             Parameters, activations and gradients all use it (CUDA layer-norm statistics excepted).
         mask: ``none`` (no mask input), ``padding`` (additive or boolean key mask [B, K]) or
@@ -162,11 +176,11 @@ class EncoderConfig:
                               f"activation; got {type(self.dropout).__name__}")
         eps = self.layer_norm_eps
         if isinstance(eps, str):
-            raise ConfigError(f"layer_norm_eps: must be a number in (0, 1), got the string {eps!r} (YAML 1.1 "
+            raise ConfigError(f"layer_norm_eps: must be a positive finite number, got the string {eps!r} (YAML 1.1 "
                               "readers such as yaml.safe_load read 1e-5 without a dot as a string: write 1.0e-5 "
                               "or load the file with substation.load_config)")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < float(eps) < 1.0:
-            raise ConfigError(f"layer_norm_eps: must be a number in (0, 1), got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < float(eps) < float("inf"):
+            raise ConfigError(f"layer_norm_eps: must be a positive finite number, got {eps!r}")
         object.__setattr__(self, "layer_norm_eps", float(eps))
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError(f"name: must be a non-empty string of letters, digits, '_', '.', '-'; got {self.name!r}")

@@ -266,7 +266,7 @@ PARAMETERS = {
 #: Dropout sites: operator name -> (config field, random stream id, dims of the random index).
 DROPOUT_SITES = {
     "attention_dropout": ("attention", 1, "BHJK"),
-    "out_dropout": ("hidden", 2, "BJI"),
+    "out_dropout": ("attention_output", 2, "BJI"),
     "activation_dropout": ("activation", 3, "BJU"),
     "ffn_dropout": ("hidden", 4, "BJI"),
 }
@@ -290,7 +290,7 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
 
     def dropout(name: str, src: str, dst: str, dims: str) -> str:
         field, stream, rng_dims = DROPOUT_SITES[name]
-        p = getattr(config.dropout, field)
+        p = config.dropout.probability(field)
         if p == 0.0:
             return src
         g.op(name, "dropout", "EW", {"x": src}, {"y": f"{dst}[{dims}]"}, p=p, stream=stream, rng_dims=rng_dims)

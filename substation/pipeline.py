@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 from .autodiff import build_backward
 from .build import build_libraries
@@ -11,7 +12,7 @@ from .graph import build_forward
 from .passes import fuse as fuse_pass
 from .runtime import CompiledGraph, CompiledLayer
 
-__all__ = ["STAGES", "compile_graphs", "compile_layer"]
+__all__ = ["STAGES", "cached_compile", "compile_graphs", "compile_layer"]
 
 #: The stages, in order: (name, what it does).
 STAGES = (
@@ -89,3 +90,26 @@ def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, in
     return CompiledLayer(config, CompiledGraph(fwd, built["forward"].path), CompiledGraph(bwd, built["backward"].path),
                          {k: v.seconds for k, v in built.items()}, sources,
                          {"fuse": fuse, "layout": layout, "instrument": instrument})
+
+
+_LOADED: dict = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
+                   instrument: bool = False) -> CompiledLayer:
+    """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
+    twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
+    the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`
+    object is memoised by identity.
+
+    Raises:
+        as :func:`compile_layer`.
+    """
+    config = load_config(config)
+    key = (config, fuse, layout if layout is None or isinstance(layout, (str, os.PathLike)) else id(layout), instrument)
+    with _LOADED_LOCK:
+        compiled = _LOADED.get(key)
+        if compiled is None:
+            compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument)
+    return compiled

@@ -89,7 +89,7 @@ class ReferenceEncoderLayer(nn.Module):
         a = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         a = F.dropout(a, c.dropout.attention, train)
         ctx = torch.matmul(a, v).transpose(1, 2).reshape(b, j, i)
-        o = F.dropout(F.linear(ctx, self.out_proj_weight, self.out_proj_bias), c.dropout.hidden, train)
+        o = F.dropout(F.linear(ctx, self.out_proj_weight, self.out_proj_bias), c.dropout.probability("attention_output"), train)
         r1 = o + x
         h1 = ln(r1, "norm1") if c.layer_norm == "post" else r1
         ffn_in = h1 if c.layer_norm == "post" else ln(r1, "norm2")

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import os
 import dataclasses
+import os
 import threading
+from typing import Optional
 
 import torch
 from torch import nn
 
-from .config import EncoderConfig
-from .graph import LayerGraph, TensorInfo
+from .config import CUDA_DTYPES, DTYPES, EncoderConfig
+from .graph import PARAMETERS, LayerGraph, TensorInfo
 from .reference import init_parameters
 
-__all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "normalize_mask", "TORCH_DTYPES"]
+__all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "PARAMETER_NAMES", "TORCH_DTYPES", "check_mask", "key_mask",
+           "run_layer"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: Every config dtype, including target cuda's half precisions (TORCH_DTYPES: the CPU's).
 ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+
+#: The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer).
+PARAMETER_NAMES = tuple(PARAMETERS)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -185,61 +190,130 @@ class CompiledLayer:
     sources: dict
     options: dict = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self):
+        self.key = _register(self)
+
     @property
     def saved_names(self) -> list[str]:
         """Tensors the backward graph reads besides dY: forward tensors and parameters."""
         return [t.name for t in self.backward.args if t.role in ("saved", "param")]
 
+    @property
+    def produced_names(self) -> list[str]:
+        """Tensors the forward library writes: ``Y`` first, then those saved for backward."""
+        names = [t.name for t in self.forward.produced]
+        return ["Y"] + [n for n in names if n != "Y"]
 
-def normalize_mask(attention_mask, key_padding_mask, batch: int, seq: int, dtype: torch.dtype,
-                   config: EncoderConfig, device: "torch.device | str | None" = None) -> torch.Tensor | None:
-    """Turn a user mask into the additive key mask ``[B, K]`` of ``dtype`` the compiled code reads.
 
-    ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, the extended
-    ``[B, 1, 1, K]`` or a ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys
-    to attend with True/1. ``key_padding_mask`` follows PyTorch: bool ``[B, K]``, True marks padding.
-    Boolean masks become 0 / -inf. The mask must be on ``device``'s type (default the CPU; a CUDA
-    layer passes its input's device) and the result is on ``device``.
+
+# ----------------------------------------------------------------------------------------------------------------
+# The compiled layer as a PyTorch custom operator (torch.library): opaque to torch.compile, torch.export and
+# torch.jit.trace, with a fake implementation for shapes and a registered backward. Operators reach their
+# libraries through a per-process registry key (a string), since an operator takes no Python objects.
+
+_REGISTRY: dict[str, CompiledLayer] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _register(compiled: CompiledLayer) -> str:
+    with _REGISTRY_LOCK:
+        key = f"{compiled.config.name}#{len(_REGISTRY)}"
+        _REGISTRY[key] = compiled
+    return key
+
+
+def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
+    return compiled.forward.dtypes.get("mask", compiled.forward.dtype)
+
+
+def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq: int,
+             dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive key mask ``[B, K]`` of ``dtype`` (0 = attend, -inf or the given value = masked) that
+    the compiled code reads, from a mask whose shape :func:`check_mask` accepted.
+
+    A bool or integer mask marks keys to attend (``attend_marks_true``, Hugging Face) or padding
+    (PyTorch's ``key_padding_mask``); a float mask is additive. A 4-D ``[B, 1, J, K]`` mask must be
+    the same for every query j; it is reduced to its first row (checked here, on the data: this runs
+    inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
 
     Raises:
-        ValueError: wrong shape, a mask given to a layer compiled with ``mask: none``, both masks
-            given, or a per-query mask whose rows differ.
-        TypeError: a mask of an unsupported dtype.
+        ValueError: a ``[B, 1, J, K]`` mask whose rows differ between queries.
     """
-    if attention_mask is None and key_padding_mask is None:
+    if mask is None:
         return None
-    if config.mask == "none":
-        raise ValueError("this layer was compiled with mask: none; compile with mask: padding to pass a mask")
-    if attention_mask is not None and key_padding_mask is not None:
-        raise ValueError("pass either attention_mask or key_padding_mask, not both")
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), "
-                            f"got {key_padding_mask.dtype}")
-        m, keep = key_padding_mask, False
-    else:
-        m, keep = attention_mask, True
-    want = torch.device("cpu" if device is None else device)
-    if m.device.type != want.type:
-        raise ValueError(f"the mask must be on the {'CPU' if want.type == 'cpu' else want.type.upper()}, "
-                         f"got device {m.device}")
-    m = m.to(want)
-    if m.dim() == 4:
-        if m.shape[1] != 1 or m.shape[2] not in (1, seq):
-            raise ValueError(f"a 4-D attention_mask must be [B, 1, 1, K] or [B, 1, J, K]; got {tuple(m.shape)}")
-        if m.shape[2] > 1:
-            if not bool((m == m[:, :, :1, :]).all()):
-                raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
-                                 "(and mask: causal in the config) are supported")
-        m = m[:, 0, 0, :]
-    if tuple(m.shape) != (batch, seq):
-        raise ValueError(f"mask must have shape [B, K] = [{batch}, {seq}] (or [B, 1, 1, K]); got {tuple(m.shape)}")
-    if m.dtype == torch.bool or not m.is_floating_point():
-        if m.dtype not in (torch.bool, torch.int64, torch.int32, torch.int8, torch.uint8):
-            raise TypeError(f"unsupported mask dtype {m.dtype}")
-        attend = m.bool() if keep else ~m.bool()
-        return torch.zeros(batch, seq, dtype=dtype, device=m.device).masked_fill_(~attend, float("-inf"))
-    return m.to(dtype).contiguous()
+    if mask.dim() == 4:
+        if mask.shape[2] > 1 and mask.stride(2) != 0 and not bool((mask == mask[:, :, :1, :]).all()):
+            raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
+                             "(and mask: causal in the config) are supported")
+        mask = mask[:, 0, 0, :]
+    mask = mask.expand(batch, seq)
+    if mask.dtype == torch.bool or not mask.is_floating_point():
+        attend = mask.bool() if attend_marks_true else ~mask.bool()
+        return torch.zeros(batch, seq, dtype=dtype, device=mask.device).masked_fill_(~attend, float("-inf"))
+    return mask.to(dtype).contiguous()
+
+
+@torch.library.custom_op("substation::layer_forward", mutates_args=())
+def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
+                   params: list[torch.Tensor], seed: torch.Tensor, training: bool) -> list[torch.Tensor]:
+    compiled = _REGISTRY[key]
+    b, j, _ = x.shape
+    given = {"X": x, **dict(zip(PARAMETER_NAMES, params))}
+    if compiled.config.mask != "none":
+        m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
+        given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
+    out = compiled.forward(given, b, j, int(seed.item()), training)
+    return [out[n] for n in compiled.produced_names]
+
+
+@_layer_forward.register_fake
+def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training):
+    compiled = _REGISTRY[key]
+    sizes = compiled.config.sizes(x.shape[0], x.shape[1])
+    info = {t.name: t for t in compiled.forward.produced}
+    return [x.new_empty(info[n].shape(sizes), dtype=compiled.forward.dtypes[n]) for n in compiled.produced_names]
+
+
+@torch.library.custom_op("substation::layer_backward", mutates_args=())
+def _layer_backward(key: str, dy: torch.Tensor, saved: list[torch.Tensor], seed: torch.Tensor,
+                    training: bool) -> list[torch.Tensor]:
+    compiled = _REGISTRY[key]
+    b, j, _ = dy.shape
+    given = dict(zip(compiled.saved_names, saved))
+    given["dY"] = dy
+    grads = compiled.backward(given, b, j, int(seed.item()), training)
+    return [grads["dX"]] + [grads[f"d{n}"] for n in PARAMETER_NAMES]
+
+
+@_layer_backward.register_fake
+def _layer_backward_fake(key, dy, saved, seed, training):
+    compiled = _REGISTRY[key]
+    sizes = compiled.config.sizes(dy.shape[0], dy.shape[1])
+    info = {t.name: t for t in compiled.backward.args}
+    return [torch.empty_like(dy)] + [dy.new_empty(info[f"d{n}"].shape(sizes), dtype=compiled.backward.dtypes[f"d{n}"])
+                                     for n in PARAMETER_NAMES]
+
+
+def _layer_setup_context(ctx, inputs, output):
+    key, x, _, _, params, seed, training = inputs
+    compiled = _REGISTRY[key]
+    env = {"X": x, **dict(zip(PARAMETER_NAMES, params)), **dict(zip(compiled.produced_names, output))}
+    ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
+    ctx.key, ctx.training = key, training
+    ctx.shapes = (x.shape, [p.shape for p in params], x.dtype)
+
+
+def _layer_grad(ctx, grads):
+    seed, *saved = ctx.saved_tensors
+    x_shape, param_shapes, x_dtype = ctx.shapes
+    dy = grads[0]
+    if dy is None:
+        dy = torch.zeros(x_shape, dtype=x_dtype, device=seed.device)
+    dx, *dparams = _layer_backward(ctx.key, dy.contiguous().to(x_dtype), saved, seed, ctx.training)
+    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None
+
+
+torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_context=_layer_setup_context)
 
 
 def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
@@ -248,36 +322,127 @@ def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
     compiled dtype; a float32 or float64 layer ignores autocast)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except TypeError:  # torch < 2.4: no device argument
-        return device_type == "cuda" and bool(torch.is_autocast_enabled())
+    return bool(torch.is_autocast_enabled(device_type))
 
 
-class _EncoderFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layer: "EncoderLayer", x: torch.Tensor, mask, seed: int, training: bool, *params):
-        compiled = layer.compiled
-        b, j, _ = x.shape
-        given = {"X": x, **dict(zip(layer.parameter_names, params))}
-        if compiled.config.mask != "none":
-            given["mask"] = mask if mask is not None else torch.zeros(b, j, dtype=x.dtype, device=x.device)
-        out = compiled.forward(given, b, j, seed, training)
-        saved_env = {**given, **out}
-        names = compiled.saved_names
-        ctx.save_for_backward(*(saved_env[n] for n in names))
-        ctx.names, ctx.layer, ctx.seed, ctx.training, ctx.shape = names, layer, seed, training, (b, j)
-        return out["Y"]
+def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
+               what: str) -> None:
+    """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        layer = ctx.layer
-        given = dict(zip(ctx.names, ctx.saved_tensors))
-        given["dY"] = dy.contiguous().to(layer.torch_dtype)
-        grads = layer.compiled.backward(given, *ctx.shape, ctx.seed, ctx.training)
-        pgrads = [grads[f"d{n}"].view(getattr(layer, n).shape) if ctx.needs_input_grad[5 + i] else None
-                  for i, n in enumerate(layer.parameter_names)]
-        return (None, grads["dX"] if ctx.needs_input_grad[1] else None, None, None, None, *pgrads)
+    Accepted shapes: ``[B, K]``, ``[B, 1, 1, K]``, ``[B, 1, J, K]`` (B may also be 1, broadcast).
+
+    Raises:
+        ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
+        TypeError: not a tensor, or an unsupported dtype.
+    """
+    if config.mask == "none":
+        raise ValueError("this layer was compiled with mask: none; compile with mask: padding to pass a mask")
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{what} must be None or a tensor, got {type(mask).__name__}")
+    if mask.device.type != device.type:
+        raise ValueError(f"the mask must be on the {'CPU' if device.type == 'cpu' else device.type.upper()} "
+                         f"like hidden_states, got device {mask.device}")
+    if not (mask.dtype == torch.bool or mask.is_floating_point()
+            or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8)):
+        raise TypeError(f"unsupported {what} dtype {mask.dtype}")
+    shape = tuple(mask.shape)
+    ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
+         (len(shape) == 4 and shape[0] in (1, batch) and shape[1] == 1 and shape[2] in (1, seq) and shape[3] == seq)
+    if not ok:
+        raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], [B, 1, 1, K] or [B, 1, J, K]; "
+                         f"got {shape}")
+
+
+def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "list[torch.Tensor]",
+              training: bool, attention_mask: torch.Tensor | None = None,
+              key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in :data:`PARAMETER_NAMES`
+    order, PyTorch's shapes) through the ``substation::layer_forward`` operator; differentiable in the
+    input and every parameter (the backward library runs in ``substation::layer_backward``).
+
+    ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, ``[B, 1, 1, K]``
+    or ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys to attend with
+    True/1. ``key_padding_mask`` follows PyTorch: bool ``[B, K]``, True marks padding. Boolean masks
+    become 0 / -inf. ``training`` with a dropout probability > 0 draws a fresh seed from PyTorch's
+    generator (so ``torch.manual_seed`` and checkpoint recomputation reproduce the dropout masks).
+
+    Raises:
+        TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
+        ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
+            sequence, parameters on the meta device (not yet loaded), or a bad mask (see :func:`check_mask`).
+    """
+    config = compiled.config
+    x = hidden_states
+    dtype = compiled.forward.dtype
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != config.hidden_size:
+        raise ValueError(f"hidden_states must have shape [B, J, I] with I = {config.hidden_size}; got {tuple(x.shape)}")
+    device_type = compiled.forward.device_type
+    where = "the CPU" if device_type == "cpu" else "CUDA"
+    if x.device.type != device_type:
+        raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}"
+                         + ("" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"))
+    cast = _autocast_casts(x.device.type, dtype)
+    if x.dtype != dtype:
+        if not (cast and x.dtype == torch.float32):
+            raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {dtype}")
+        x = x.to(dtype)
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
+    if cast:
+        params = [p.to(dtype) if p.dtype == torch.float32 else p for p in params]
+    for n, p in zip(PARAMETER_NAMES, params):
+        if p.is_meta:
+            raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
+                             f"before running the layer")
+        if p.dtype != dtype or p.device.type != device_type or (device_type != "cpu" and p.device != x.device):
+            raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
+                            f"{dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
+    b, j, _ = x.shape
+    if attention_mask is not None and key_padding_mask is not None:
+        raise ValueError("pass either attention_mask or key_padding_mask, not both")
+    mask, what = (attention_mask, "attention_mask") if key_padding_mask is None else (key_padding_mask, "key_padding_mask")
+    if mask is not None:
+        check_mask(mask, b, j, x.device, config, what)
+        if key_padding_mask is not None and (mask.dtype != torch.bool or mask.dim() != 2):
+            raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), got {mask.dtype} "
+                            f"{tuple(mask.shape)}")
+    training = training and any(v > 0 for v in config.dropout.probabilities())
+    seed = torch.randint(0, 2 ** 62, (1,)) if training else torch.zeros(1, dtype=torch.int64)
+    outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
+                             [p if p.is_contiguous() else p.contiguous() for p in params], seed, training)
+    return outputs[0]
+
+
+def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.device) -> CompiledLayer:
+    """The compiled layer of ``compiled``'s config for another parameter dtype and device, through the
+    build cache (``compiled`` itself when nothing changes). Used by ``.to()``, ``.double()`` etc.
+
+    Raises:
+        TypeError: a dtype or device the config's target does not compile (the message names what does).
+    """
+    config = compiled.config
+    names = {v: k for k, v in ALL_TORCH_DTYPES.items()}
+    allowed = CUDA_DTYPES if config.target == "cuda" else DTYPES
+    want_type = "cuda" if config.target == "cuda" else "cpu"
+    if device.type != want_type:
+        raise TypeError(f"Substation's layers were compiled for target {config.target} and run on "
+                        f"{'the CPU' if want_type == 'cpu' else 'CUDA'} only; moving them to {device} is not supported "
+                        f"(compile with target: {'cuda' if device.type == 'cuda' else 'cpu'} instead)")
+    if names.get(dtype) not in allowed:
+        raise TypeError(f"Substation's target {config.target} compiles {', '.join(allowed)} layers; converting "
+                        f"them to {dtype} is not supported")
+    if names[dtype] == config.dtype:
+        return compiled
+    from .pipeline import cached_compile
+    return cached_compile(config.replace(dtype=names[dtype]), **compiled.options)
+
+
+def apply_probe(fn) -> tuple[torch.dtype, torch.device]:
+    """What ``nn.Module._apply``'s ``fn`` does to a float32 CPU parameter: its (dtype, device) after."""
+    probe = fn(torch.zeros(1))
+    return probe.dtype, probe.device
 
 
 class EncoderLayer(nn.Module):
@@ -288,12 +453,14 @@ class EncoderLayer(nn.Module):
     ``linear1_weight`` [U, I], ``linear1_bias`` [U], ``linear2_weight`` [I, U], ``linear2_bias`` [I],
     ``norm1_weight``, ``norm1_bias``, ``norm2_weight``, ``norm2_bias`` [I], all of the config's dtype.
 
+    ``.double()`` / ``.float()`` / ``.to(dtype)`` switch to the build of that dtype (through the build
+    cache); a dtype or device the target does not compile raises ``TypeError`` at that call.
+    Pickling and ``copy.deepcopy`` work; an unpickled layer reloads its libraries from the build cache.
+
     Build one with :func:`substation.compile`, :meth:`from_hf` or :meth:`from_torch`.
     """
 
-    parameter_names = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
-                       "linear1_weight", "linear1_bias", "linear2_weight", "linear2_bias",
-                       "norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")
+    parameter_names = PARAMETER_NAMES
 
     def __init__(self, compiled: CompiledLayer):
         super().__init__()
@@ -303,6 +470,15 @@ class EncoderLayer(nn.Module):
         init_parameters(self, self.config, self.torch_dtype)
         if compiled.forward.device_type == "cuda" and torch.cuda.is_available():
             self.to("cuda")  # CUDA layers keep their parameters on the (current) GPU
+
+    def _apply(self, fn, recurse=True):
+        dtype, device = apply_probe(fn)
+        compiled = self.compiled
+        if dtype.is_floating_point:
+            compiled = rebuild_for(self.compiled, dtype, device)
+        out = super()._apply(fn, recurse)
+        self.compiled, self.config, self.torch_dtype = compiled, compiled.config, compiled.forward.dtype
+        return out
 
     def __deepcopy__(self, memo):
         # Copies share the loaded libraries (read-only); parameters and buffers are copied.
@@ -314,20 +490,17 @@ class EncoderLayer(nn.Module):
         return new
 
     def __getstate__(self):
-        # Libraries do not pickle: keep what rebuilds them (from the build cache when present).
         state = self.__dict__.copy()
-        state["compiled"] = (self.compiled.config, self.compiled.options)
+        state["compiled"] = compiled_state(self.compiled)
         return state
 
     def __setstate__(self, state):
-        from .pipeline import compile_layer
-        config, options = state["compiled"]
-        state["compiled"] = compile_layer(config, **options)
+        state["compiled"] = compiled_from_state(state["compiled"])
         self.__dict__.update(state)
 
     @classmethod
     def from_hf(cls, bert_layer, **config_overrides) -> "EncoderLayer":
-        """Compile a layer equivalent to a Hugging Face ``transformers`` ``BertLayer`` and copy its
+        """Compile a layer equivalent to a Hugging Face ``transformers`` encoder layer and copy its
         weights; see :func:`substation.interop.from_hf`."""
         from .interop import from_hf
         return from_hf(bert_layer, **config_overrides)
@@ -353,7 +526,7 @@ class EncoderLayer(nn.Module):
                 the parameters); a non-contiguous tensor is copied. Under ``torch.autocast`` for the
                 input's device type, a float16/bfloat16 layer also takes float32 input and float32
                 parameters, cast to its dtype (differentiably: gradients reach float32 parameters).
-            attention_mask: Hugging Face convention, see :func:`normalize_mask`.
+            attention_mask: Hugging Face convention, see :func:`run_layer`.
             key_padding_mask: PyTorch convention, bool [B, K], True = padding.
 
         Returns:
@@ -361,40 +534,19 @@ class EncoderLayer(nn.Module):
             probabilities (their attention output is the output bias alone).
 
         Raises:
-            TypeError: not a tensor, or the wrong dtype (input or parameters), or parameters on
-                another device.
-            ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch
-                or sequence, or a bad mask.
+            TypeError, ValueError: see :func:`run_layer`.
         """
-        x = hidden_states
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"hidden_states must have shape [B, J, I] with I = {self.config.hidden_size}; "
-                             f"got {tuple(x.shape)}")
-        device_type = self.compiled.forward.device_type
-        where = "the CPU" if device_type == "cpu" else "CUDA"
-        if x.device.type != device_type:
-            raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}"
-                             + ("" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"))
-        cast = _autocast_casts(x.device.type, self.torch_dtype)
-        if x.dtype != self.torch_dtype:
-            if not (cast and x.dtype == torch.float32):
-                raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {self.torch_dtype}")
-            x = x.to(self.torch_dtype)
-        if x.shape[0] == 0 or x.shape[1] == 0:
-            raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
-        params = [getattr(self, n) for n in self.parameter_names]
-        if cast:
-            params = [p.to(self.torch_dtype) if p.dtype == torch.float32 else p for p in params]
-        for n, p in zip(self.parameter_names, params):
-            if p.dtype != self.torch_dtype or p.device.type != device_type or (device_type != "cpu" and p.device != x.device):
-                raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
-                                f"{self.torch_dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
-        b, j, _ = x.shape
-        mask = normalize_mask(attention_mask, key_padding_mask, b, j, self.torch_dtype, self.config,
-                              None if device_type == "cpu" else x.device)
-        training = self.training and any(v > 0 for v in dataclasses.astuple(self.config.dropout))
-        seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if training else 0
-        return _EncoderFunction.apply(self, x.contiguous(), mask, seed, training,
-                                      *(p if p.is_contiguous() else p.contiguous() for p in params))
+        return run_layer(self.compiled, hidden_states, [getattr(self, n) for n in PARAMETER_NAMES], self.training,
+                         attention_mask, key_padding_mask)
+
+
+def compiled_state(compiled: CompiledLayer) -> tuple:
+    """What rebuilds ``compiled`` in another process (its config and build options): libraries do not pickle."""
+    return compiled.config, compiled.options
+
+
+def compiled_from_state(state: tuple) -> CompiledLayer:
+    """The inverse of :func:`compiled_state`: the layer's libraries, from the build cache when present."""
+    from .pipeline import cached_compile
+    config, options = state
+    return cached_compile(config, **options)

@@ -41,8 +41,8 @@ BAD = [
     ({"dtype": "float16"}, "dtype: must be one of float32, float64"),
     ({"mask": "sliding"}, "mask: must be one of none, padding, causal"),
     ({"target": "tpu"}, "target: must be one of cpu"),
-    ({"layer_norm_eps": 0}, "layer_norm_eps: must be a number in (0, 1)"),
-    ({"layer_norm_eps": "small"}, "layer_norm_eps: must be a number in (0, 1)"),
+    ({"layer_norm_eps": 0}, "layer_norm_eps: must be a positive finite number"),
+    ({"layer_norm_eps": "small"}, "layer_norm_eps: must be a positive finite number"),
     ({"hidden": 768}, "hidden: unknown key"),
     ({"name": "has space"}, "name: must be a non-empty string"),
 ]

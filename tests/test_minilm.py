@@ -39,10 +39,11 @@ def test_minilm_embeddings_match(ex, models):
     model, fast = models
     from transformers.models.bert.modeling_bert import BertLayer
 
-    from substation.interop import HFBertLayer
-    assert sum(isinstance(m, HFBertLayer) for m in fast.modules()) == 6
-    assert not any(isinstance(m, BertLayer) for m in fast.modules())
-    assert sum(isinstance(m, BertLayer) for m in model.modules()) == 6  # the original is untouched
+    from substation.interop import SubstationLayer
+    assert sum(isinstance(m, SubstationLayer) for m in fast.modules()) == 6
+    assert sum(isinstance(m, BertLayer) for m in fast.modules()) == 6       # drop-ins are BertLayers to transformers
+    assert not any(isinstance(m, SubstationLayer) for m in model.modules())  # the original is untouched
+    assert sum(isinstance(m, BertLayer) for m in model.modules()) == 6
 
     sentences = ex.SENTENCES
     assert len(sentences) >= 6
