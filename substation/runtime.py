@@ -417,7 +417,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
 
 def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.device) -> CompiledLayer:
     """The compiled layer of ``compiled``'s config for another parameter dtype and device, through the
-    build cache (``compiled`` itself when nothing changes). Used by ``.to()``, ``.double()`` etc.
+    build cache (``compiled`` itself when nothing changes). Used by ``.to()``, ``.double()`` etc. A
+    float16/bfloat16 layer given float32 parameters keeps its build: those are master weights, cast
+    under ``torch.autocast``.
 
     Raises:
         TypeError: a dtype or device the config's target does not compile (the message names what does).
@@ -425,15 +427,15 @@ def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.devic
     config = compiled.config
     names = {v: k for k, v in ALL_TORCH_DTYPES.items()}
     allowed = CUDA_DTYPES if config.target == "cuda" else DTYPES
-    want_type = "cuda" if config.target == "cuda" else "cpu"
-    if device.type != want_type:
-        raise TypeError(f"Substation's layers were compiled for target {config.target} and run on "
-                        f"{'the CPU' if want_type == 'cpu' else 'CUDA'} only; moving them to {device} is not supported "
-                        f"(compile with target: {'cuda' if device.type == 'cuda' else 'cpu'} instead)")
+    runs_on = compiled.forward.device_type
+    if device.type != runs_on:
+        hint = f" (compile with target: {device.type} instead)" if device.type in ("cpu", "cuda") else ""
+        raise TypeError(f"Substation's layers of this build run on {'the CPU' if runs_on == 'cpu' else 'CUDA'} only; "
+                        f"moving them to {device} is not supported{hint}")
     if names.get(dtype) not in allowed:
         raise TypeError(f"Substation's target {config.target} compiles {', '.join(allowed)} layers; converting "
                         f"them to {dtype} is not supported")
-    if names[dtype] == config.dtype:
+    if names[dtype] == config.dtype or (dtype == torch.float32 and config.dtype in ("float16", "bfloat16")):
         return compiled
     from .pipeline import cached_compile
     return cached_compile(config.replace(dtype=names[dtype]), **compiled.options)

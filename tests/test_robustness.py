@@ -711,13 +711,16 @@ def test_tensor_errors_not_on_cpu():
     x = randn(2, 7, 16)
     with pytest.raises(ValueError, match="this layer was compiled for the CPU; hidden_states is on meta"):
         layer(x.to("meta"))
-    with pytest.raises(ValueError, match="the mask must be on the CPU, got device meta"):
+    with pytest.raises(ValueError, match="the mask must be on the CPU like hidden_states, got device meta"):
         layer(x, attention_mask=torch.zeros(2, 7, dtype=torch.float64, device="meta"))
-    with pytest.raises(ValueError, match="the mask must be on the CPU, got device meta"):
+    with pytest.raises(ValueError, match="the mask must be on the CPU like hidden_states, got device meta"):
         layer(x, key_padding_mask=torch.zeros(2, 7, dtype=torch.bool, device="meta"))
-    moved = make_layer(TINY).to("meta")
-    with pytest.raises(TypeError, match="parameter in_proj_weight is torch.float64 on meta; the layer was compiled "
-                                        "for torch.float64 on the CPU"):
+    with pytest.raises(TypeError, match="layers of this build run on the CPU only; moving them to meta is not "
+                                        "supported$"):
+        make_layer(TINY).to("meta")
+    moved = make_layer(TINY)
+    moved.in_proj_weight = torch.nn.Parameter(torch.empty_like(moved.in_proj_weight, device="meta"))
+    with pytest.raises(ValueError, match=r"parameter in_proj_weight is on the meta device \(weights not loaded yet\)"):
         moved(x)
 
 

@@ -134,8 +134,8 @@ BAD_CALLS = [
     (lambda l, x: l(x, key_padding_mask=torch.zeros(2, 7)), TypeError, "key_padding_mask must be a bool tensor"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7), key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "not both"),
     (lambda l, x: l(x, attention_mask=torch.randn(2, 1, 7, 7, dtype=torch.float64)), ValueError, "differs between queries"),
-    (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, "a 4-D attention_mask must be"),
-    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, "unsupported mask dtype"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, r"attention_mask must have shape \[B, K\] = \[2, 7\], \[B, 1, 1, K\] or \[B, 1, J, K\]"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, "unsupported attention_mask dtype torch.complex64"),
 ]
 
 
@@ -151,9 +151,22 @@ def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):
     x = x_for(layer)
     with pytest.raises(ValueError, match="compiled with mask: none"):
         layer(x, attention_mask=torch.ones(2, 7, dtype=torch.bool))
-    layer.float()
+    layer.in_proj_weight.data = layer.in_proj_weight.data.float()
     with pytest.raises(TypeError, match="parameter in_proj_weight is torch.float32"):
         layer(x)
+
+
+def test_dtype_change_switches_the_build(tiny_nodrop):
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer)
+    with torch.no_grad():
+        want = layer(x)
+    assert layer.float() is layer and layer.compiled.config.dtype == "float32" and layer.torch_dtype == torch.float32
+    with torch.no_grad():
+        assert float((layer(x.float()).double() - want).abs().max() / want.abs().max()) < 1e-5
+    with pytest.raises(TypeError, match="target cpu compiles float32, float64 layers; converting them to torch.bfloat16"):
+        layer.bfloat16()
+    assert layer.in_proj_weight.dtype == torch.float32
 
 
 def test_random_row_matches_random_bits(tmp_path, monkeypatch):
