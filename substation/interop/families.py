@@ -110,6 +110,26 @@ def _hf_config(module: nn.Module) -> Any:
     return getattr(module, "config", None)
 
 
+def _check_sizes(layer: nn.Module, attention: nn.Module, i: int, h: int, p: int, projections: tuple[str, ...],
+                 ffn: tuple[str, str]) -> int:
+    """Check that the Q, K, V and output projections are I -> I, H * P = I, the attention scaling is
+    1/sqrt(P) and the feed-forward is I -> U -> I; return U."""
+    for path in projections:
+        _linear(layer, path, i, i, "Substation (no separate embedding size)")
+    if h < 1 or h * p != i:
+        raise NotConvertible(f"H * P = {h} * {p} differs from the hidden size I={i}")
+    _check_scaling(attention, p)
+    u = _get(layer, ffn[0]).out_features
+    _linear(layer, ffn[0], i, u, "the feed-forward input")
+    _linear(layer, ffn[1], u, i, "the feed-forward output")
+    return u
+
+
+def _activation(layer: nn.Module, path: str, config_owner: nn.Module, key: str) -> str:
+    label = getattr(_hf_config(config_owner), key, "")
+    return activation_name(_get(layer, path), label if isinstance(label, str) else "")
+
+
 def _read_bert(layer: nn.Module) -> dict:
     """BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA: post-LN, ``attention.self.{query,key,value}``."""
     if getattr(layer, "is_decoder", False):
@@ -125,21 +145,14 @@ def _read_bert(layer: nn.Module) -> dict:
     if getattr(sa, "is_causal", False):
         raise NotConvertible("its self-attention is causal")
     i, h = sa.query.in_features, int(sa.num_attention_heads)
-    for name in ("query", "key", "value"):
-        _linear(layer, f"attention.self.{name}", i, i, "Substation (no separate embedding size)")
-    if i % h:
-        raise NotConvertible(f"hidden size I={i} is not divisible by num_attention_heads H={h}")
-    _check_scaling(sa, i // h)
-    u = layer.intermediate.dense.out_features
-    _linear(layer, "intermediate.dense", i, u, "the feed-forward input")
-    _linear(layer, "output.dense", u, i, "the feed-forward output")
-    _linear(layer, "attention.output.dense", i, i, "the attention output")
-    label = getattr(_hf_config(sa), "hidden_act", "")
+    u = _check_sizes(layer, sa, i, h, int(getattr(sa, "attention_head_size", i // max(h, 1))),
+                     ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"),
+                     ("intermediate.dense", "output.dense"))
     p_hidden, p_hidden2 = float(attn.output.dropout.p), float(layer.output.dropout.p)
     dropout = DropoutConfig(attention=float(sa.dropout.p), hidden=p_hidden2, activation=0.0,
                             attention_output=None if p_hidden == p_hidden2 else p_hidden)
     return dict(hidden_size=i, num_heads=h, ffn_size=u,
-                activation=activation_name(layer.intermediate.intermediate_act_fn, label if isinstance(label, str) else ""),
+                activation=_activation(layer, "intermediate.intermediate_act_fn", sa, "hidden_act"),
                 layer_norm_eps=_layer_norms(layer, ("attention.output.LayerNorm", "output.LayerNorm"), i),
                 dropout=dropout)
 
@@ -151,17 +164,10 @@ def _read_distilbert(layer: nn.Module) -> dict:
     if getattr(sa, "is_causal", False):
         raise NotConvertible("its self-attention is causal")
     i, h = sa.q_lin.in_features, int(sa.n_heads)
-    for name in ("q_lin", "k_lin", "v_lin", "out_lin"):
-        _linear(layer, f"attention.{name}", i, i, "Substation")
-    if i % h:
-        raise NotConvertible(f"dim I={i} is not divisible by n_heads H={h}")
-    _check_scaling(sa, i // h)
-    u = layer.ffn.lin1.out_features
-    _linear(layer, "ffn.lin1", i, u, "the feed-forward input")
-    _linear(layer, "ffn.lin2", u, i, "the feed-forward output")
-    label = getattr(_hf_config(sa), "activation", "")
-    return dict(hidden_size=i, num_heads=h, ffn_size=u,
-                activation=activation_name(layer.ffn.activation, label if isinstance(label, str) else ""),
+    u = _check_sizes(layer, sa, i, h, int(getattr(sa, "attention_head_size", i // max(h, 1))),
+                     ("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin"),
+                     ("ffn.lin1", "ffn.lin2"))
+    return dict(hidden_size=i, num_heads=h, ffn_size=u, activation=_activation(layer, "ffn.activation", sa, "activation"),
                 layer_norm_eps=_layer_norms(layer, ("sa_layer_norm", "output_layer_norm"), i),
                 dropout=DropoutConfig(attention=float(sa.dropout.p), hidden=float(layer.ffn.dropout.p),
                                       activation=0.0, attention_output=0.0))
@@ -171,23 +177,16 @@ def _read_vit(layer: nn.Module) -> dict:
     """ViT and DeiT: pre-LN image encoders, ``attention.{q,k,v,o}_proj``, ``mlp.fc{1,2}``, one dropout."""
     attn = layer.attention
     i, h = attn.q_proj.in_features, int(attn.num_attention_heads)
-    p = int(getattr(attn, "head_dim", i // max(h, 1)))
-    if h * p != i:
-        raise NotConvertible(f"num_attention_heads * head_dim = {h} * {p} differs from the hidden size {i}")
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        _linear(layer, f"attention.{name}", i, i, "Substation")
     if (attn.q_proj.bias is None) != (attn.k_proj.bias is None) or (attn.q_proj.bias is None) != (attn.v_proj.bias is None):
         raise NotConvertible("some but not all of the Q/K/V projections have a bias")
     if attn.o_proj.bias is None:
         raise NotConvertible("the attention output projection has no bias")
-    _check_scaling(attn, p)
-    u = layer.mlp.fc1.out_features
-    _linear(layer, "mlp.fc1", i, u, "the feed-forward input")
-    _linear(layer, "mlp.fc2", u, i, "the feed-forward output")
-    label = getattr(_hf_config(attn), "hidden_act", "")
+    u = _check_sizes(layer, attn, i, h, int(getattr(attn, "head_dim", i // max(h, 1))),
+                     ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj"),
+                     ("mlp.fc1", "mlp.fc2"))
     p_hidden = float(layer.dropout.p)
     return dict(hidden_size=i, num_heads=h, ffn_size=u,
-                activation=activation_name(layer.mlp.activation_fn, label if isinstance(label, str) else ""),
+                activation=_activation(layer, "mlp.activation_fn", attn, "hidden_act"),
                 layer_norm_eps=_layer_norms(layer, ("layernorm_before", "layernorm_after"), i),
                 dropout=DropoutConfig(attention=float(attn.attention_dropout), hidden=p_hidden, activation=0.0))
 
