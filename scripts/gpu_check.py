@@ -265,7 +265,7 @@ def check_dropout(name: str, b: int, j: int, seed: int = 0x0123456789ABCDEF) -> 
     import numpy as np
     import torch
 
-    from substation.codegen_cuda import dropout_keep_mask
+    from substation.ops.dropout import dropout_keep_mask
     from substation.graph import DROPOUT_SITES
     from substation.runtime import EncoderLayer
     compiled = compiled_layer(name)

@@ -9,8 +9,8 @@ Every operator of a :class:`~substation.graph.LayerGraph` is counted from the gr
   and ``QKV[BK1HP]`` in ``scores``) counts both slices.
 * **flop**: a contraction does ``2 x`` the product of the sizes of every distinct letter of its
   operands (one multiply-add = 2 flop); every other kind does a fixed number of arithmetic operations
-  per element (and per row for normalizations), listed in :data:`ELEMENTWISE_FLOP` and in
-  ``docs/analysis.md``.
+  per element (and per row for normalizations), declared with each kind in :mod:`substation.ops`
+  and listed in ``docs/analysis.md``.
 
 Both are sympy expressions in the dimension letters ``B, J, K, H, P, I, U`` (``T``, the Q/K/V stack, is
 3) and integers for a config. The counting works on any graph the pipeline produces: an operator of
@@ -39,10 +39,12 @@ import sympy
 
 from .config import EncoderConfig, load_config
 from .graph import OP_CLASSES, LayerGraph, Operator
+from .ops import op_kind
+from .ops.kind import elements
 from .files import atomic_write
 
 __all__ = [
-    "SYMBOLS", "ELEMENTWISE_FLOP", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
+    "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
     "OperatorCount", "Measurement", "Analysis",
     "access_elements", "kind_flop", "operator_count", "count_graph", "optimized_graphs", "analyze",
     "copy_bandwidth", "measure", "differences", "format_report", "write_json", "plot_report",
@@ -53,29 +55,6 @@ SYMBOLS: dict[str, sympy.Symbol] = {d: sympy.Symbol(d, positive=True, integer=Tr
 
 #: Passes of a report, in order; ``total`` is forward + backward.
 PASSES = ("forward", "backward")
-
-#: Arithmetic operations per element for the activation functions and their gradients
-#: (a transcendental function, erf / exp / tanh, counts as one operation; see docs/analysis.md).
-ACTIVATION_FLOP = {"gelu": 5, "gelu_tanh": 9, "relu": 1}
-ACTIVATION_GRAD_FLOP = {"gelu": 11, "gelu_tanh": 19, "relu": 2}
-
-#: Flop per element (and per row, for the normalizations) of every non-contraction kind:
-#: kind -> (per element of the main operand, per row of the normalized axis). The main operand is the
-#: output ``y``, except for the reductions ``bias_grad`` and ``layer_norm_param_grad`` (the input ``dy``).
-ELEMENTWISE_FLOP: dict[str, tuple[int, int]] = {
-    "bias": (1, 0),                   # x + b
-    "mask": (1, 0),                   # x + m (the causal select is not arithmetic)
-    "dropout": (1, 0),                # x * keep / (1 - p): one multiply; the RNG is not counted
-    "softmax": (5, 1),                # max, subtract, exp, sum, scale; 1 reciprocal per row
-    "softmax_grad": (4, 0),           # y * dy, sum; dy - dot, * y
-    "layer_norm": (8, 5),             # sum; subtract, square, sum; subtract, *rstd, *gamma, +beta;
-                                      # per row: mean divide, variance divide, + eps, sqrt, reciprocal
-    "layer_norm_grad": (10, 2),       # xhat (2), g*dy, sum, g*dy*xhat, sum, dx = r*(gd - s1 - xhat*s2) (4);
-                                      # per row: two means
-    "layer_norm_param_grad": (5, 0),  # xhat (2), dy*xhat, sum (dgamma); sum (dbeta)
-    "bias_grad": (1, 0),              # sum over the broadcast dimensions
-    "transpose": (0, 0),              # a copy into another layout (inserted by the layout pass)
-}
 
 #: Ivanov et al. 2020, Table 1 ("Proportions for operator classes in PyTorch"; BERT-large encoder
 #: layer, forward + backward, V100): share of flop and of runtime per operator class, in percent.
@@ -100,19 +79,6 @@ def _sizer(sizes: Mapping[str, int] | None) -> Callable[[str], object]:
     return lambda letter: 3 if letter == "T" else int(sizes[letter])
 
 
-def _access(value) -> str:
-    """An access string from ``"BJI"``, ``("X", "BJI")`` or ``["X", "BJI"]``."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], str):
-        return value[1]
-    raise TypeError(f"an operand must be an access string or a (tensor, access) pair, got {value!r}")
-
-
-def _letters(access: str) -> list[str]:
-    return [c for c in access if not c.isdigit()]
-
-
 def access_elements(access, size: Callable[[str], object] | Mapping[str, int] | None = None):
     """Elements one access touches: the product of the sizes of its letters (digits count 1).
 
@@ -128,10 +94,7 @@ def access_elements(access, size: Callable[[str], object] | Mapping[str, int] | 
     """
     if size is None or isinstance(size, Mapping):
         size = _sizer(size)
-    n = 1
-    for c in _letters(_access(access)):
-        n = n * size(c)
-    return n
+    return elements(access, size)
 
 
 def kind_flop(kind: str, attrs: Mapping, inputs: Mapping, outputs: Mapping,
@@ -167,42 +130,7 @@ def kind_flop(kind: str, attrs: Mapping, inputs: Mapping, outputs: Mapping,
         for m in members:
             total = total + kind_flop(m["kind"], m.get("attrs", {}), m.get("inputs", {}), m.get("outputs", {}), size)
         return total
-    if kind == "contraction":
-        letters: list[str] = []
-        for v in (*inputs.values(), *outputs.values()):
-            letters += [c for c in _letters(_access(v)) if c not in letters]
-        n = 2
-        for c in letters:
-            n = n * size(c)
-        return n
-    if kind == "add":
-        if "y" not in outputs:
-            raise ValueError("an add operator needs an output 'y'")
-        return (len(inputs) - 1) * access_elements(outputs["y"], size)
-    if kind == "activation" or kind == "activation_grad":
-        table = ACTIVATION_FLOP if kind == "activation" else ACTIVATION_GRAD_FLOP
-        fn = attrs.get("function")
-        if fn not in table:
-            raise ValueError(f"{kind}: unknown activation function {fn!r} (known: {', '.join(table)})")
-        return table[fn] * access_elements(outputs["y"], size)
-    if kind not in ELEMENTWISE_FLOP:
-        raise ValueError(f"no flop rule for operator kind {kind!r}")
-    per_elem, per_row = ELEMENTWISE_FLOP[kind]
-    main_conn, main_side = ("dy", inputs) if kind in ("bias_grad", "layer_norm_param_grad") else ("y", outputs)
-    if main_conn not in main_side:
-        raise ValueError(f"a {kind} operator needs the operand {main_conn!r}")
-    main = _access(main_side[main_conn])
-    n = per_elem * access_elements(main, size)
-    if per_row:
-        axis = attrs.get("axis")
-        if axis not in main:
-            raise ValueError(f"{kind}: axis {axis!r} is not a letter of the access {main!r}")
-        rows = 1
-        for c in _letters(main):
-            if c != axis:
-                rows = rows * size(c)
-        n = n + per_row * rows
-    return n
+    return op_kind(kind).flop(attrs, inputs, outputs, size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from .graph import PARAMETERS, GraphBuilder, LayerGraph
+from .ops import op_kind
 
 __all__ = ["build_backward"]
 
@@ -107,7 +108,7 @@ class _Differentiator:
         self.grads[name] = [out]
         return out
 
-    # -- rules --------------------------------------------------------------------------------
+    # -- the pass ---------------------------------------------------------------------------------
     def run(self) -> tuple[LayerGraph, LayerGraph]:
         g = self.g
         g.tensor("dY", "BJI", "input")
@@ -119,7 +120,10 @@ class _Differentiator:
             dy = self.grad_of(y_name)
             if dy is None:
                 continue
-            getattr(self, f"_vjp_{op.kind}")(op, ins, outs, dy, y_acc)
+            vjp = op_kind(op.kind).vjp
+            if vjp is None:
+                raise ValueError(f"operator {op.label}: kind {op.kind!r} has no vector-Jacobian rule")
+            vjp(self, op, ins, outs, dy, y_acc)
         dx = self.grad_of("X")
         assert dx == "dX", dx
         missing = [p for p in PARAMETERS if f"d{p}" not in g.tensors]
@@ -133,53 +137,3 @@ class _Differentiator:
             self.fwd.sdfg.arrays[n].transient = False
         fwd = dataclasses.replace(self.fwd, tensors=tensors)
         return fwd, bwd
-
-    def _vjp_contraction(self, op, ins, outs, dy, y_acc):
-        alpha = op.attrs.get("alpha", 1.0)
-        (c1, (t1, a1)), (c2, (t2, a2)) = ins.items()
-        for (c, (t, a)), (_, (ot, oa)) in (((c1, (t1, a1)), (c2, (t2, a2))), ((c2, (t2, a2)), (c1, (t1, a1)))):
-            target = self.grad_target(t, a, op.label)
-            if target is None:
-                continue
-            operands = {"dy": f"{dy}[{y_acc}]", c2 if c == c1 else c1: self.use(ot, oa)}
-            self.g.op(f"{op.label}_d{c}", "contraction", "TC", operands, {"y": target}, alpha=alpha)
-
-    def _vjp_bias(self, op, ins, outs, dy, y_acc):
-        x, _ = ins["x"]
-        b, b_acc = ins["b"]
-        self.pass_through(x, dy)
-        self.g.op(f"{op.label}_grad", "bias_grad", "SN", {"dy": f"{dy}[{y_acc}]"},
-                  {"y": self.grad_target(b, b_acc, op.label)})
-
-    def _vjp_add(self, op, ins, outs, dy, y_acc):
-        for t, _ in ins.values():
-            self.pass_through(t, dy)
-
-    def _vjp_mask(self, op, ins, outs, dy, y_acc):
-        self.pass_through(ins["x"][0], dy)
-
-    def _vjp_dropout(self, op, ins, outs, dy, y_acc):
-        x, a = ins["x"]
-        self.g.op(f"{op.label}_grad", "dropout", "EW", {"x": f"{dy}[{y_acc}]"},
-                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)
-
-    def _vjp_activation(self, op, ins, outs, dy, y_acc):
-        x, a = ins["x"]
-        self.g.op(f"{op.label}_grad", "activation_grad", "EW", {"dy": f"{dy}[{y_acc}]", "x": self.use(x, a)},
-                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)
-
-    def _vjp_softmax(self, op, ins, outs, dy, y_acc):
-        x, a = ins["x"]
-        y, _ = outs["y"]
-        self.g.op(f"{op.label}_grad", "softmax_grad", "SN", {"dy": f"{dy}[{y_acc}]", "probs": self.use(y, y_acc)},
-                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)
-
-    def _vjp_layer_norm(self, op, ins, outs, dy, y_acc):
-        x, a = ins["x"]
-        stats = {"x": self.use(x, a), "mean": self.use(outs["mean"][0]), "rstd": self.use(outs["rstd"][0])}
-        self.g.op(f"{op.label}_dparams", "layer_norm_param_grad", "SN", {"dy": f"{dy}[{y_acc}]", **stats},
-                  {"dgamma": self.grad_target(ins["gamma"][0], ins["gamma"][1], op.label),
-                   "dbeta": self.grad_target(ins["beta"][0], ins["beta"][1], op.label)}, **op.attrs)
-        self.g.op(f"{op.label}_dx", "layer_norm_grad", "SN",
-                  {"dy": f"{dy}[{y_acc}]", **stats, "gamma": self.use(ins["gamma"][0])},
-                  {"y": self.grad_target(x, a, op.label)}, **op.attrs)

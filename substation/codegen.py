@@ -22,6 +22,7 @@ import dataclasses
 import sympy
 
 from .graph import STATIC_DIMENSIONS, LayerGraph, Operator, layout_strides
+from .ops import op_kind
 
 __all__ = ["LayoutError", "generate_cpu", "ContractionPlan", "plan_contraction"]
 
@@ -286,14 +287,6 @@ COLUMN_BLOCK = 32
 RANDOM_CHUNK = 256
 
 
-def dropout_constants(p: float) -> tuple[int, float]:
-    """(threshold, scale) of inverted dropout with probability ``p`` on 16 random bits: an element is
-    kept when its bits are >= threshold = round(p * 2^16) (so p is rounded to a multiple of 2^-16)
-    and then scaled by 2^16 / (2^16 - threshold), the inverse of the exact keep probability."""
-    threshold = min(int(round(p * 65536.0)), 65535)
-    return threshold, 65536.0 / (65536 - threshold)
-
-
 def row_kernel_space(graph: LayerGraph, members: list[dict], vector: str | None = None):
     """(F, N, R) of a row kernel: its iteration letters, the inner letters (ordered, innermost last)
     and the row letters (outermost first), following the layout of its first full-width tensor in
@@ -326,8 +319,10 @@ class _RowKernel:
     given thread count).
     """
 
+    #: For the kinds' member emitters (:mod:`substation.ops`): the row-major index over letters.
+    linear_index = staticmethod(linear_index)
+
     def __init__(self, em: "_Emitter", members: list[dict], vector: str | None = None):
-        from .passes.fusion import COLUMN_REDUCTIONS
         self.em, self.graph, self.T = em, em.graph, em.T
         self.members = members
         self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
@@ -335,7 +330,7 @@ class _RowKernel:
         self.row_items: list | None = None  # a row's lines and merged loops, rendered at its end
         self.prelude: list[str] = []
         self.random: dict[str, tuple] = {}  # row-random mask name -> (declaration line, chunked form)
-        self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
+        self.column = [m for m in members if op_kind(m["kind"]).reduction == "column"]
         # Which produced tensors later members read (or softmax needs as scratch): buffered.
         self.buffers, self.scalars = [], []
         seen: dict[str, int] = {}
@@ -538,7 +533,7 @@ class _RowKernel:
         for k, m in enumerate(self.members):
             self.k = k  # row-level names of member k end in f"{k}_"
             self.pre(f"// {m['name']} ({m['kind']})")
-            getattr(self, f"_{m['kind']}")(m, m["attrs"])
+            op_kind(m["kind"]).cpu(self, m, m["attrs"])
             self.ready.update(t for t, _ in m["outputs"].values())
         self.flush()
         self.pending = None
@@ -561,88 +556,21 @@ class _RowKernel:
                                     f"{t}[{off}] = ({T})s_;"])
                 q += 1
 
-    def _ew(self, m, expr) -> None:
+    def ew(self, m, expr) -> None:
         (t, a), = m["outputs"].values()
         loads = [f"const {self.T} v_{c} = {self.read(*ta)};" for c, ta in sorted(m["inputs"].items())]
         self.inner(loads + [f"const {self.T} v_ = {expr};"] + self.put(t, a, "v_"))
-
-    # member kinds ------------------------------------------------------------------------------
-    def _bias(self, m, attrs):
-        self._ew(m, "v_x + v_b")
-
-    def _add(self, m, attrs):
-        self._ew(m, " + ".join(f"v_{c}" for c in sorted(m["inputs"])))
-
-    def _transpose(self, m, attrs):  # a copy into another layout (inserted by the layout pass)
-        self._ew(m, "v_x")
-
-    def _mask(self, m, attrs):
-        expr = "v_x + v_m"
-        if attrs.get("causal"):
-            letters = [c for c in m["outputs"]["y"][1] if not c.isdigit()]
-            expr = f"(i_{letters[-1]} > i_{letters[-2]}) ? ({self.T})(-INFINITY) : ({expr})"
-        self._ew(m, expr)
-
-    def _dropout(self, m, attrs):
-        threshold, scale = dropout_constants(attrs["p"])
-        dims = attrs["rng_dims"]
-
-        def index(inner_at_zero: bool) -> str:
-            return linear_index(dims, lambda c: "0" if inner_at_zero and c == dims[-1] else f"i_{c}")
-        scale = f"({self.T}){scale!r}"
-        if self.row_random(m):
-            # The row's random index is contiguous: one Philox block per eight elements. Eval mode
-            # keeps every element (threshold 0, scale 1) through the same loop, so it merges with
-            # its neighbours.
-            rw, = self._names("rw")
-            scratch = f"rnd{self.k}_.data()"
-
-            def draw(first: str, count: str) -> str:
-                return (f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {attrs['stream']}u, "
-                        f"(uint64_t)({index(True)}){first}, {count}, {scratch}) : ss::keep_all_bits({scratch});")
-            self.random[rw] = (draw("", "nn_"), draw(" + c0_", "c1_ - c0_"))
-            self.pre(self.random[rw][0])
-            self._ew(m, f"ss::dropout(v_x, {rw}[n_], training ? {threshold}u : 0u, training ? {scale} : ({self.T})1)")
-        else:
-            self._ew(m, f"training ? ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, "
-                        f"(uint64_t)({index(False)})), {threshold}u, {scale}) : v_x")
 
     def row_random(self, m) -> bool:
         """Whether dropout member ``m`` draws its random words per row (its random index runs
         contiguously along the single inner letter)."""
         return m["kind"] == "dropout" and len(self.N) == 1 and m["attrs"]["rng_dims"][-1] == self.N[0]
 
-    def _activation(self, m, attrs):
-        self._ew(m, f"ss::{attrs['function']}(v_x)")
-
-    def _activation_grad(self, m, attrs):
-        self._ew(m, f"v_dy * ss::{attrs['function']}_grad(v_x)")
-
-    def _names(self, *bases: str) -> list[str]:
+    def names(self, *bases: str) -> list[str]:
         """Row-level variable names private to the current member."""
         return [f"{b}{self.k}_" for b in bases]
 
-    def _softmax(self, m, attrs):
-        xt, xa = m["inputs"]["x"]
-        x = self.read(xt, xa)
-        y, ya = m["outputs"]["y"]
-        T = self.T
-        mx, sm, inv = self._names("mx", "s", "inv")
-        self.pre(f"{T} {mx} = ({T})(-INFINITY);")
-        self.inner([f"{mx} = std::max({mx}, ({T}){x});"], f"max:{mx}")
-        # Every key masked (max -inf): exp gives 0 everywhere and the probabilities are 0, without a
-        # branch, so the normalizing loop merges with what follows.
-        self.stmt(f"if ({mx} == ({T})(-INFINITY)) {mx} = 0;")
-        row = self._row_start(xt, xa, x) if T == "float" else None
-        if row:  # a contiguous row: one vector routine
-            self.stmt(f"{T} {sm} = ss::exp_shifted_row({row}, &buf_{y}[0], nn_, {mx});")
-        else:
-            self.pre(f"{T} {sm} = 0;")
-            self.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
-        self.stmt(f"const {T} {inv} = {sm} == 0 ? ({T})0 : ({T})(1.0 / {sm});")  # a NaN sum stays NaN
-        self.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + self.put(y, ya, "v_"))
-
-    def _row_start(self, t: str, a: str, expr: str) -> str | None:
+    def row_start(self, t: str, a: str, expr: str) -> str | None:
         """The address of this row's first element of operand ``expr`` (tensor ``t``, access ``a``) when
         the row is contiguous (a row buffer, or unit stride along the single inner letter), else None."""
         if len(self.N) != 1:
@@ -654,16 +582,7 @@ class _RowKernel:
         op = _resolve(self.graph, t, a)
         return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
 
-    def _softmax_grad(self, m, attrs):
-        dy, pr = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["probs"])
-        t, a = m["outputs"]["y"]
-        dot, = self._names("dot")
-        self.pre(f"{self.T} {dot} = 0;")
-        self.inner([f"{dot} += {dy} * {pr};"], f"+:{dot}")
-        self.flush()
-        self.inner([f"const {self.T} v_ = {pr} * ({dy} - {dot});"] + self.put(t, a, "v_"))
-
-    def _split_statistics(self, mu: str, r: str, rstd_known: bool = True):
+    def split_statistics(self, mu: str, r: str, rstd_known: bool = True):
         """Declare ``{mu}h_``/``{mu}l_``, the double mean split into a head and a tail of the element type
         (and, when ``rstd_known``, ``{r}t_``: the double rstd in that type) and return
         ``xhat(x, scaled=True)``, the expression ``((x - head) - tail) [* {r}t_]``. ``x - head`` is exact
@@ -678,51 +597,6 @@ class _RowKernel:
             d = f"(({x} - {mu}h_) - {mu}l_)"
             return f"{d} * {r}t_" if scaled else d
         return xhat
-
-    def _layer_norm(self, m, attrs):
-        x = self.read(*m["inputs"]["x"])
-        g, b = self.read(*m["inputs"]["gamma"]), self.read(*m["inputs"]["beta"])
-        (y, ya), (mt, ma), (rt, ra) = m["outputs"]["y"], m["outputs"]["mean"], m["outputs"]["rstd"]
-        T = self.T
-        sm, mu, v2, r = self._names("s", "mu", "v2", "r")
-        self.pre(f"double {sm} = 0;")
-        self.inner([f"{sm} += {x};"], f"+:{sm}")
-        self.stmt(f"const double {mu} = {sm} / nn_;")
-        xhat = self._split_statistics(mu, r, rstd_known=False)
-        self.pre(f"{T} {v2} = 0;")
-        self.inner([f"const {T} d_ = {xhat(x, scaled=False)};", f"{v2} += d_ * d_;"], f"+:{v2}")
-        self.stmt(f"const double {r} = 1.0 / std::sqrt((double){v2} / nn_ + {attrs['eps']!r});")
-        self.stmt(f"const {T} {r}t_ = ({T}){r};")
-        for line in self.put(mt, ma, mu) + self.put(rt, ra, r):
-            self.stmt(line)
-        self.inner([f"const {T} v_ = {xhat(x)} * {g} + {b};"] + self.put(y, ya, "v_"))
-
-    def _layer_norm_grad(self, m, attrs):
-        dy, x, g = (self.read(*m["inputs"][k]) for k in ("dy", "x", "gamma"))
-        mu_in, r_in = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
-        t, a = m["outputs"]["y"]
-        T = self.T
-        mu, r, s1, s2 = self._names("mu", "r", "s1", "s2")
-        self.pre(f"const double {mu} = {mu_in}, {r} = {r_in};")
-        xhat = self._split_statistics(mu, r)
-        self.pre(f"{T} {s1} = 0, {s2} = 0;")
-        self.inner([f"const {T} gd_ = {g} * {dy};", f"{s1} += gd_;", f"{s2} += gd_ * {xhat(x)};"], f"+:{s1},{s2}")
-        self.stmt(f"{s1} /= nn_; {s2} /= nn_;")
-        self.inner([f"const {T} v_ = {r}t_ * ({g} * {dy} - {s1} - {xhat(x)} * {s2});"] + self.put(t, a, "v_"))
-
-    def _bias_grad(self, m, attrs):
-        dy = self.read(*m["inputs"]["dy"])
-        (t, _), = m["outputs"].values()
-        self.inner([f"{self.acc[t]}[n_] += {dy};"])
-
-    def _layer_norm_param_grad(self, m, attrs):
-        dy, x = self.read(*m["inputs"]["dy"]), self.read(*m["inputs"]["x"])
-        mu_in, r_in = self.read(*m["inputs"]["mean"]), self.read(*m["inputs"]["rstd"])
-        dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
-        mu, r = self._names("mu", "r")
-        self.pre(f"const double {mu} = {mu_in}, {r} = {r_in};")
-        xhat = self._split_statistics(mu, r)
-        self.inner([f"{self.acc[dg]}[n_] += {dy} * {xhat(x)};", f"{self.acc[db]}[n_] += {dy};"])
 
 def _numel(dims: str) -> str:
     return " * ".join(_size(d) for d in dims)
@@ -749,17 +623,15 @@ def _records(graph: LayerGraph, op: Operator) -> list[dict]:
 
 
 def stat_tensors(graph: LayerGraph) -> set[str]:
-    """Names of the layer-norm statistics tensors of ``graph`` (forward outputs ``mean``/``rstd`` of a
-    layer norm, backward inputs ``mean``/``rstd`` of its gradients), shape [B, J]."""
+    """Names of the per-row statistics tensors of ``graph`` (the operands of each member's
+    ``statistics`` connectors: layer-norm ``mean``/``rstd``), shape [B, J]."""
     names = set()
     for op in graph.operators():
         if op.op_class == "TC":
             continue
         for m in _records(graph, op):
-            if m["kind"] == "layer_norm":
-                names.update(t for c, (t, _) in m["outputs"].items() if c in ("mean", "rstd"))
-            elif m["kind"] in ("layer_norm_grad", "layer_norm_param_grad"):
-                names.update(t for c, (t, _) in m["inputs"].items() if c in ("mean", "rstd"))
+            stats = op_kind(m["kind"]).statistics
+            names.update(t for c, (t, _) in (*m["inputs"].items(), *m["outputs"].items()) if c in stats)
     return names & set(graph.tensors)
 
 

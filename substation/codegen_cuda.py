@@ -45,12 +45,12 @@ import re
 
 import sympy
 
-from .codegen import (LayoutError, _cxx, _records, _resolve, _size, dropout_constants, linear_index,
-                      plan_contraction, row_kernel_space, stat_tensors)
-from .graph import STATIC_DIMENSIONS, LayerGraph, Operator
+from .codegen import (LayoutError, _cxx, _records, _resolve, _size, linear_index, plan_contraction,
+                      row_kernel_space, stat_tensors)
+from .graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
+from .ops import op_kind
 
-__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "dropout_keep_mask", "STORAGE_TYPES", "COMPUTE_DTYPES",
-           "LayoutError"]
+__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
 
 #: Config dtype -> C++ storage type of the generated code.
 STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -63,10 +63,6 @@ def _symbol(dim: str):
     return 3 if dim == "T" else sympy.Symbol(dim)
 
 
-def _letters(access: str) -> frozenset:
-    return frozenset(c for c in access if not c.isdigit())
-
-
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except layer-norm
     statistics (:func:`~substation.codegen.stat_tensors`), which have the compute dtype (float32 for
@@ -74,40 +70,6 @@ def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     dt = graph.config.dtype
     stats = stat_tensors(graph)
     return {n: (COMPUTE_DTYPES[dt] if n in stats else dt) for n in graph.tensors}
-
-
-def dropout_keep_mask(seed: int, stream: int, index, p: float):
-    """Which elements the generated dropout keeps (CPU and CUDA builds alike), computed with numpy:
-    element ``e`` draws 16 bits, half ``e % 2`` of word ``(e // 2) % 4`` of the Philox4x32-10 block at
-    counter ``e // 8`` (stream ``stream``, key ``seed``), and is kept when they are >= the threshold
-    of :func:`substation.codegen.dropout_constants`.
-
-    Args:
-        seed: the 64-bit seed of the call; stream: the dropout site's stream id
-            (:data:`substation.graph.DROPOUT_SITES`); index: integer array of element indices (row-major
-            over the site's ``rng_dims``, e.g. ``((b * H + h) * J + j) * K + k``); p: the probability.
-
-    Returns:
-        a bool array shaped like ``index``.
-    """
-    import numpy as np
-    idx = np.asarray(index, dtype=np.uint64)
-    m32 = np.uint64(0xFFFFFFFF)
-    counter = idx >> np.uint64(3)
-    c0, c1 = counter & m32, counter >> np.uint64(32)
-    c2 = np.full_like(idx, np.uint64(stream & 0xFFFFFFFF))
-    c3 = np.zeros_like(idx)
-    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    for _ in range(10):
-        p0 = np.uint64(0xD2511F53) * c0
-        p1 = np.uint64(0xCD9E8D57) * c2
-        n0 = (p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0)
-        n2 = (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1)
-        c0, c1, c2, c3 = n0, p1 & m32, n2, p0 & m32
-        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    word = np.choose(((idx >> np.uint64(1)) & np.uint64(3)).astype(np.int64), [c0, c1, c2, c3])
-    bits = (word >> (np.uint64(16) * (idx & np.uint64(1)))) & np.uint64(0xFFFF)
-    return bits >= np.uint64(dropout_constants(p)[0])
 
 
 # -- row kernels -----------------------------------------------------------------------------------
@@ -120,12 +82,14 @@ class _Loop:
 class _RowKernel:
     """One CUDA row kernel for a list of member records (see the module docstring)."""
 
+    #: For the kinds' member emitters (:mod:`substation.ops`): the row-major index over letters.
+    linear_index = staticmethod(linear_index)
+
     def __init__(self, gen: "_Generator", members: list[dict], name: str, vector: str | None = None):
-        from .passes.fusion import COLUMN_REDUCTIONS
         self.gen, self.graph, self.name, self.members = gen, gen.graph, name, members
         self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
         self.last = self.N[-1]
-        self.column = [m for m in members if m["kind"] in COLUMN_REDUCTIONS]
+        self.column = [m for m in members if op_kind(m["kind"]).reduction == "column"]
         self.col_outputs = [(t, a) for m in self.column for _, (t, a) in sorted(m["outputs"].items())]
         # Memory operands: kernel parameters, in first-use order.
         self.memory: dict[str, str] = {}
@@ -181,11 +145,11 @@ class _RowKernel:
         self.scalars: dict[str, str] = {}    # row-level values: tensor -> variable
         self.uid = 0
 
-    def _fresh(self, stem: str) -> str:
+    def fresh(self, stem: str) -> str:
         self.uid += 1
         return f"{stem}{self.uid}_"
 
-    def _open(self) -> _Loop:
+    def open_loop(self) -> _Loop:
         if self.loop is None:
             self.loop = _Loop([], [])
             self.regs = set()
@@ -213,7 +177,7 @@ class _RowKernel:
             res.append(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
         return res + ["(void)rem_;"]
 
-    def _lane(self, c: str) -> str:
+    def lane_of(self, c: str) -> str:
         return f"(i_{c} + l_)" if c == self.last else f"i_{c}"
 
     def _offset(self, t: str, a: str) -> str:
@@ -225,7 +189,7 @@ class _RowKernel:
     # values ---------------------------------------------------------------------------------------
     def val(self, t: str, a: str) -> str:
         """Per-lane expression of tensor ``t`` (access ``a``) inside the open loop, loading it first."""
-        lp = self._open()
+        lp = self.open_loop()
         self.reads.setdefault(t, set()).add(self.loop_id)
         if t in self.regs:
             return f"r_{t}[l_]"
@@ -259,7 +223,7 @@ class _RowKernel:
     def lane(self, stmts: list[str], outputs: list[tuple[str, str, str]] = ()) -> None:
         """Per-lane statements in the open loop; ``outputs`` are (tensor, access, expression) stored
         into the tensor's register array, then to memory and/or its buffer."""
-        lp = self._open()
+        lp = self.open_loop()
         for t, _, _ in outputs:
             lp.body.append(f"comp_t r_{t}[V];")
         body = list(stmts) + [f"r_{t}[l_] = {e};" for t, _, e in outputs]
@@ -285,133 +249,16 @@ class _RowKernel:
         self.rows.append(f"{var} = sscuda::group_{how}<WARP>({var}, red_);")
 
     # members --------------------------------------------------------------------------------------
-    def _ew(self, m, fmt: str) -> None:
+    def ew(self, m, fmt: str) -> None:
         (t, a), = m["outputs"].values()
         vals = {c: self.val(*ta) for c, ta in sorted(m["inputs"].items())}
         self.lane([], [(t, a, fmt.format(**vals))])
-
-    def _bias(self, m, attrs):
-        self._ew(m, "{x} + {b}")
-
-    def _add(self, m, attrs):
-        self._ew(m, " + ".join("{" + c + "}" for c in sorted(m["inputs"])))
-
-    def _transpose(self, m, attrs):  # a copy into another layout (inserted by the layout pass)
-        self._ew(m, "{x}")
-
-    def _mask(self, m, attrs):
-        expr = "{x} + {m}"
-        if attrs.get("causal"):
-            letters = [c for c in m["outputs"]["y"][1] if not c.isdigit()]
-            expr = f"({self._lane(letters[-1])} > {self._lane(letters[-2])}) ? (comp_t)(-INFINITY) : ({expr})"
-        self._ew(m, expr)
-
-    def _dropout(self, m, attrs):
-        threshold, scale = dropout_constants(attrs["p"])
-        dims = attrs["rng_dims"]
-
-        def index(lane: bool) -> str:
-            return linear_index(dims, lambda c: self._lane(c) if lane else f"i_{c}")
-        (t, a), = m["outputs"].values()
-        x = self.val(*m["inputs"]["x"])
-        scale = f"(comp_t){scale!r}"
-        if dims[-1] == self.last:  # the lanes' random indices are consecutive: blocks of eight elements
-            rw = self._fresh("rw")
-            self._open().body += [f"uint32_t {rw}[V];",
-                                  f"if (training) sscuda::random_bits_run<V>(seed, {attrs['stream']}u, "
-                                  f"(uint64_t)({index(False)}), {rw});"]
-            word = f"{rw}[l_]"
-        else:
-            word = f"sscuda::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(True)}))"
-        self.lane([], [(t, a, f"training ? (({word} >= {threshold}u) ? {x} * {scale} : (comp_t)0) : {x}")])
-
-    def _activation(self, m, attrs):
-        self._ew(m, f"sscuda::{attrs['function']}({{x}})")
-
-    def _activation_grad(self, m, attrs):
-        self._ew(m, f"{{dy}} * sscuda::{attrs['function']}_grad({{x}})")
-
-    def _softmax(self, m, attrs):
-        xt = m["inputs"]["x"]
-        y, ya = m["outputs"]["y"]
-        mx, s, inv, dead = self._fresh("mx"), self._fresh("s"), self._fresh("inv"), self._fresh("dead")
-        self._open().pre.append(f"comp_t {mx} = (comp_t)(-INFINITY);")
-        x = self.val(*xt)
-        self.lane([f"{mx} = sscuda::max_({mx}, {x});"])
-        self.reduce(mx, "max")
-        # Every key masked (-inf): probabilities 0 (the documented behaviour), not NaN.
-        self.rows.append(f"const bool {dead} = {mx} == (comp_t)(-INFINITY);")
-        self._open().pre.append(f"comp_t {s} = 0;")
-        x = self.val(*xt)
-        self.lane([f"{s} += {dead} ? (comp_t)0 : sscuda::exp_({x} - {mx});"])
-        self.reduce(s, "sum")
-        self.rows.append(f"const comp_t {inv} = (comp_t)1 / {s};")
-        x = self.val(*xt)
-        self.lane([], [(y, ya, f"{dead} ? (comp_t)0 : sscuda::exp_({x} - {mx}) * {inv}")])
-
-    def _softmax_grad(self, m, attrs):
-        dyt, prt = m["inputs"]["dy"], m["inputs"]["probs"]
-        t, a = m["outputs"]["y"]
-        dot = self._fresh("dot")
-        self._open().pre.append(f"comp_t {dot} = 0;")
-        dy, pr = self.val(*dyt), self.val(*prt)
-        self.lane([f"{dot} += {dy} * {pr};"])
-        self.reduce(dot, "sum")
-        dy, pr = self.val(*dyt), self.val(*prt)
-        self.lane([], [(t, a, f"{pr} * ({dy} - {dot})")])
-
-    def _layer_norm(self, m, attrs):
-        xt = m["inputs"]["x"]
-        (y, ya), (mt, ma), (rt, ra) = m["outputs"]["y"], m["outputs"]["mean"], m["outputs"]["rstd"]
-        s, mu, v2, r = self._fresh("s"), self._fresh("mu"), self._fresh("v"), self._fresh("r")
-        self._open().pre.append(f"comp_t {s} = 0;")
-        x = self.val(*xt)
-        self.lane([f"{s} += {x};"])
-        self.reduce(s, "sum")
-        self.rows.append(f"const comp_t {mu} = {s} / (comp_t)nn_;")
-        self._open().pre.append(f"comp_t {v2} = 0;")
-        x = self.val(*xt)
-        self.lane([f"const comp_t d_ = {x} - {mu};", f"{v2} += d_ * d_;"])
-        self.reduce(v2, "sum")
-        self.rows.append(f"const comp_t {r} = sscuda::rsqrt_({v2} / (comp_t)nn_ + (comp_t){attrs['eps']!r});")
-        self.put_row(mt, ma, mu)
-        self.put_row(rt, ra, r)
-        x = self.val(*xt)
-        g, b = self.val(*m["inputs"]["gamma"]), self.val(*m["inputs"]["beta"])
-        self.lane([], [(y, ya, f"(({x} - {mu}) * {r}) * {g} + {b}")])
-
-    def _layer_norm_grad(self, m, attrs):
-        ins = m["inputs"]
-        t, a = m["outputs"]["y"]
-        mu, r = self.row_val(*ins["mean"]), self.row_val(*ins["rstd"])
-        s1, s2 = self._fresh("s1"), self._fresh("s2")
-        lp = self._open()
-        lp.pre += [f"comp_t {s1} = 0;", f"comp_t {s2} = 0;"]
-        dy, x, g = self.val(*ins["dy"]), self.val(*ins["x"]), self.val(*ins["gamma"])
-        self.lane([f"const comp_t gd_ = {g} * {dy};", f"{s1} += gd_;", f"{s2} += gd_ * (({x} - {mu}) * {r});"])
-        self.reduce(s1, "sum")
-        self.rows.append(f"{s2} = sscuda::group_sum<WARP>({s2}, red_);")
-        self.rows.append(f"{s1} /= (comp_t)nn_; {s2} /= (comp_t)nn_;")
-        dy, x, g = self.val(*ins["dy"]), self.val(*ins["x"]), self.val(*ins["gamma"])
-        self.lane([], [(t, a, f"{r} * ({g} * {dy} - {s1} - (({x} - {mu}) * {r}) * {s2})")])
-
-    def _bias_grad(self, m, attrs):
-        dy = self.val(*m["inputs"]["dy"])
-        (t, _), = m["outputs"].values()
-        self.lane([f"acc_{t}[n0_ + l_] += {dy};"])
-
-    def _layer_norm_param_grad(self, m, attrs):
-        ins = m["inputs"]
-        mu, r = self.row_val(*ins["mean"]), self.row_val(*ins["rstd"])
-        dy, x = self.val(*ins["dy"]), self.val(*ins["x"])
-        dg, db = m["outputs"]["dgamma"][0], m["outputs"]["dbeta"][0]
-        self.lane([f"acc_{dg}[n0_ + l_] += {dy} * (({x} - {mu}) * {r});", f"acc_{db}[n0_ + l_] += {dy};"])
 
     # whole kernel ---------------------------------------------------------------------------------
     def _emit_rows(self, plan) -> list[str]:
         self._reset(plan)
         for m in self.members:
-            getattr(self, f"_{m['kind']}")(m, m["attrs"])
+            op_kind(m["kind"]).cuda(self, m, m["attrs"])
         self._close()
         return self.rows
 
@@ -423,7 +270,7 @@ class _RowKernel:
             if t in self.produced:
                 if any(k > self.produced[t] for k in loops):
                     buffers.append(t)
-            elif len(loops) > 1 and t in self.memory and _letters(self.memory[t]) == self.full:
+            elif len(loops) > 1 and t in self.memory and frozenset(access_letters(self.memory[t])) == self.full:
                 buffers.append(t)
         return {"buffers": buffers}
 

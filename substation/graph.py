@@ -23,7 +23,7 @@ from dace.properties import DictProperty, Property
 
 from .config import EncoderConfig
 
-__all__ = ["Operator", "TensorInfo", "LayerGraph", "GraphBuilder", "build_forward", "DIMENSIONS"]
+__all__ = ["Operator", "TensorInfo", "LayerGraph", "GraphBuilder", "build_forward", "DIMENSIONS", "access_letters"]
 
 #: Dimension letters and their meaning (DESIGN.md section 2); ``3`` stacks Q, K and V.
 DIMENSIONS = {"B": "batch", "J": "query position", "K": "key position", "H": "heads", "P": "head size",
@@ -68,6 +68,12 @@ class Operator(dace.sdfg.nodes.LibraryNode):
 
     def __str__(self) -> str:
         return f"{self.label} [{self.op_class}]"
+
+
+def access_letters(access: str) -> str:
+    """The dimension letters of an access string, in order (``"BJ0HP"`` -> ``"BJHP"``; a digit
+    indexes a static stack dimension such as T and is not a letter)."""
+    return "".join(c for c in access if not c.isdigit())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""A plain PyTorch encoder layer with Substation's parameters: the numerical reference and the
-eager baseline.
+"""A plain PyTorch encoder layer with Substation's parameters (the numerical reference and the eager
+baseline), and :func:`run_graph`, which interprets a layer graph operator by operator with each
+kind's float64 reference semantics.
 
 Same parameter names and shapes as :class:`substation.EncoderLayer` (those of
 ``torch.nn.TransformerEncoderLayer``), same mask semantics; dropout uses ``torch.nn.functional.dropout``
@@ -14,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
+from .graph import LayerGraph, access_letters
+from .ops import op_kind
 
-__all__ = ["ReferenceEncoderLayer", "init_parameters"]
+__all__ = ["ReferenceEncoderLayer", "init_parameters", "run_graph"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -99,3 +102,52 @@ class ReferenceEncoderLayer(nn.Module):
         f = F.dropout(F.linear(f, self.linear2_weight, self.linear2_bias), c.dropout.hidden, train)
         r2 = f + h1
         return ln(r2, "norm2") if c.layer_norm == "post" else r2
+
+
+def _index(dims: str, access: str) -> tuple:
+    """The tensor index of ``access`` into a tensor of logical ``dims`` (a digit fixes that dimension)."""
+    if len(access) != len(dims):
+        raise ValueError(f"access {access!r} does not match the dims {dims!r}")
+    return tuple(int(c) if c.isdigit() else slice(None) for c in access)
+
+
+def run_graph(graph: LayerGraph, given: dict, seed: int = 0, training: bool = False) -> dict:
+    """Interpret ``graph`` (fused or not, any layout) operator by operator with each kind's reference
+    semantics (:attr:`substation.ops.kind.OpKind.reference`), in the dtype of the given tensors.
+
+    Args:
+        graph: a forward or backward :class:`~substation.graph.LayerGraph`.
+        given: every input, parameter and (backward) saved tensor by name, in its logical dims
+            (``TensorInfo.dims``: ``X`` [B, J, I], ``in_proj_weight`` as [T, H, P, I], ...).
+        seed, training: dropout as in the compiled code (the same Philox masks); eval mode is the identity.
+
+    Returns:
+        Every tensor of the graph by name (the given ones and all that the operators write).
+
+    Raises:
+        KeyError: a tensor the graph reads that is neither given nor written before.
+        ValueError: an unknown kind or a malformed access.
+    """
+    env = dict(given)
+    first = next(t for t in given.values())
+    b, j = next(given[n].shape[:2] for n in ("X", "dY") if n in given)
+    sizes = graph.config.sizes(b, j)
+
+    def dims_of(t: str, access: str) -> str:
+        # a tensor a fused kernel keeps to itself is not in the graph: its accesses are whole
+        return graph.tensors[t].dims if t in graph.tensors else access
+
+    for op in graph.operators():
+        members = op.attrs["ops"] if op.kind == "fused" else [
+            {"kind": op.kind, "attrs": op.attrs, "inputs": graph.inputs_of(op), "outputs": graph.outputs_of(op)}]
+        for m in members:
+            ins = {c: (env[t][_index(dims_of(t, a), a)], access_letters(a)) for c, (t, a) in m["inputs"].items()}
+            outs = {c: access_letters(a) for c, (_, a) in m["outputs"].items()}
+            attrs = {**m["attrs"], "training": training, "seed": seed}
+            result = op_kind(m["kind"]).reference(ins, outs, attrs)
+            for c, (t, a) in m["outputs"].items():
+                dims = dims_of(t, a)
+                if t not in env:
+                    env[t] = torch.zeros([sizes[d] for d in dims], dtype=first.dtype)
+                env[t][_index(dims, a)] = result[c].expand(env[t][_index(dims, a)].shape)
+    return env

@@ -18,7 +18,8 @@ from conftest import NO_DROPOUT, make_layer, reference_for
 from substation import build_cuda
 from substation.build import BuildError, ToolchainError
 from substation.build_cuda import build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags
-from substation.codegen_cuda import dropout_keep_mask, generate_cuda, stat_tensors, tensor_dtypes
+from substation.codegen_cuda import generate_cuda, stat_tensors, tensor_dtypes
+from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer
 from substation.runtime import CompiledGraph, CompiledLayer, EncoderLayer

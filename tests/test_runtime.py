@@ -71,7 +71,7 @@ def test_dropout_keeps_1_minus_p_and_scales(drop_layer):
     n = kept.numel()
     frac = kept.double().mean().item()
     assert abs(frac - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
-    from substation.codegen import dropout_constants
+    from substation.ops.dropout import dropout_constants
     assert torch.allclose(ad[kept], a[kept] * dropout_constants(p)[1], rtol=1e-14, atol=0)
     assert abs(ad.sum().item() / a.sum().item() - 1) < 4 * math.sqrt(p / (1 - p) / n) * math.sqrt(j)
     other = c.forward(given, b, j, seed=1235, training=True)["A_drop"]
@@ -176,7 +176,7 @@ def test_random_row_matches_random_bits(tmp_path, monkeypatch):
     import ctypes
 
     from substation.build import build_library
-    from substation.codegen import dropout_constants
+    from substation.ops.dropout import dropout_constants
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
     src = """
         #include "substation_cpu.h"

@@ -24,13 +24,10 @@ import json
 
 import networkx as nx
 
-from ..graph import GraphBuilder, LayerGraph
+from ..graph import GraphBuilder, LayerGraph, access_letters
+from ..ops import op_kind
 
 __all__ = ["FusionOptions", "FuseOperators", "fuse", "op_space", "kernel_name"]
-
-ROW_REDUCTIONS = {"softmax", "softmax_grad", "layer_norm", "layer_norm_grad"}
-COLUMN_REDUCTIONS = {"bias_grad", "layer_norm_param_grad"}
-
 
 @dataclasses.dataclass(frozen=True)
 class FusionOptions:
@@ -72,19 +69,16 @@ class _Op:
                 "outputs": {c: list(v) for c, v in self.outputs.items()}, "attrs": self.attrs}
 
 
-def _letters(access: str) -> frozenset:
-    return frozenset(c for c in access if not c.isdigit())
-
-
 def op_space(kind: str, inputs: dict, outputs: dict, attrs: dict) -> tuple[frozenset, frozenset | None]:
     """(F, N) of an EW or SN operator: its full iteration letters and the inner letters it fixes
     (None when any split works, as for element-wise operators)."""
-    if kind in COLUMN_REDUCTIONS:
-        full = max((_letters(a) for _, a in inputs.values()), key=len)
-        kept = _letters(next(iter(outputs.values()))[1])
+    reduction = op_kind(kind).reduction
+    if reduction == "column":
+        full = max((frozenset(access_letters(a)) for _, a in inputs.values()), key=len)
+        kept = frozenset(access_letters(next(iter(outputs.values()))[1]))
         return full, kept
-    full = max((_letters(a) for _, a in list(inputs.values()) + list(outputs.values())), key=len)
-    if kind in ROW_REDUCTIONS:
+    full = max((frozenset(access_letters(a)) for _, a in list(inputs.values()) + list(outputs.values())), key=len)
+    if reduction == "row":
         return full, frozenset(attrs["axis"])
     return full, None
 
@@ -134,7 +128,7 @@ class FuseOperators:
         if self.space(group + [name]) is None:
             return False
         members = set(group)
-        col_outputs = {t for g in group if self.ops[g].kind in COLUMN_REDUCTIONS
+        col_outputs = {t for g in group if op_kind(self.ops[g].kind).reduction == "column"
                        for t, _ in self.ops[g].outputs.values()}
         if any(t in col_outputs for t, _ in op.inputs.values()):
             return False
@@ -183,12 +177,9 @@ class FuseOperators:
 def kernel_name(members: list[dict], phase: str) -> str:
     """An acronym of the members' kinds, in the paper's naming style (forward: bias, dropout,
     residual, layer norm -> BDRLN; backward kernels are prefixed with B)."""
-    letters = {"bias": "B", "dropout": "D", "add": "R", "layer_norm": "LN", "activation": "A", "mask": "M",
-               "softmax": "S", "layer_norm_grad": "LN", "layer_norm_param_grad": "SB", "bias_grad": "B",
-               "activation_grad": "A", "softmax_grad": "S"}
     parts = []
     for m in members:
-        p = letters[m["kind"]]
+        p = op_kind(m["kind"]).letter
         if not parts or parts[-1] != p:
             parts.append(p)
     return ("B" if phase == "backward" else "") + "".join(parts)

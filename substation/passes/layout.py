@@ -47,7 +47,7 @@ import time
 import warnings
 from typing import Callable, Iterable, Mapping
 
-from ..graph import GraphBuilder, LayerGraph, Operator
+from ..graph import GraphBuilder, LayerGraph, Operator, access_letters
 from ..resources import bundled_file
 
 __all__ = [
@@ -93,10 +93,6 @@ def _access_strides(dims: str, layout: str, access: str, size: Mapping[str, int]
     """Access letter -> element stride (digits, fixed indices, are left out)."""
     st = _strides(dims, layout, size)
     return {c: st[d] for c, d in zip(access, dims) if not c.isdigit()}
-
-
-def _letters(access: str) -> list[str]:
-    return [c for c in access if not c.isdigit()]
 
 
 def _closeness(layout: str, dims: str) -> int:
@@ -254,11 +250,11 @@ class LayoutProblem:
 
 # -- GEMM modes --------------------------------------------------------------------------------------
 def _gemm_groups(c_access: str, a_access: str, b_access: str):
-    la, lb, lc = set(_letters(a_access)), set(_letters(b_access)), set(_letters(c_access))
-    batch = [x for x in _letters(c_access) if x in la and x in lb]
-    m = [x for x in _letters(c_access) if x in la and x not in lb]
-    n = [x for x in _letters(c_access) if x in lb and x not in la]
-    k = [x for x in _letters(a_access) if x in lb and x not in lc]
+    la, lb, lc = set(access_letters(a_access)), set(access_letters(b_access)), set(access_letters(c_access))
+    batch = [x for x in access_letters(c_access) if x in la and x in lb]
+    m = [x for x in access_letters(c_access) if x in la and x not in lb]
+    n = [x for x in access_letters(c_access) if x in lb and x not in la]
+    k = [x for x in access_letters(a_access) if x in lb and x not in lc]
     return batch, m, n, k
 
 
@@ -286,7 +282,7 @@ def gemm_modes(c_access: str, a_access: str, b_access: str) -> list[dict]:
         LayoutError: an empty index group or a letter in only one operand (no layout maps to a GEMM).
     """
     batch, m, n, k = _gemm_groups(c_access, a_access, b_access)
-    letters = set(_letters(c_access)) | set(_letters(a_access)) | set(_letters(b_access))
+    letters = set(access_letters(c_access)) | set(access_letters(a_access)) | set(access_letters(b_access))
     if not m or not n or not k or letters - set(batch) - set(m) - set(n) - set(k):
         raise LayoutError(f"{c_access} = {a_access} x {b_access} does not map to a GEMM in any layout")
     res = []
@@ -335,7 +331,7 @@ def _row_space(graph: LayerGraph, op: Operator):
     full = spaces[0][0]
     inner = next((nn for _, nn in spaces if nn is not None), None)
     main, main_access = next((t, a) for m in records for t, a in list(m["inputs"].values()) + list(m["outputs"].values())
-                             if t in graph.tensors and set(_letters(a)) == set(full))
+                             if t in graph.tensors and set(access_letters(a)) == set(full))
     return records, full, inner, main, main_access
 
 
@@ -363,7 +359,7 @@ def _op_operands(graph: LayerGraph, op: Operator):
 
 def _elements(access: str, size: Mapping[str, int]) -> int:
     n = 1
-    for c in _letters(access):
+    for c in access_letters(access):
         n *= size[c]
     return n
 

@@ -1,0 +1,11 @@
+"""Operator kinds, each declared once in a module of its own (see :mod:`substation.ops.kind`): the graph
+builder, autodiff, fusion, analysis, the reference interpreter and both code generators query
+:func:`op_kind` instead of switching on kind names.
+
+Kinds: contraction (TC); bias, add, mask, dropout, activation, activation_grad, transpose (EW);
+softmax, softmax_grad, layer_norm, layer_norm_grad, layer_norm_param_grad, bias_grad (SN).
+"""
+from . import activation, add, bias, contraction, dropout, layer_norm, mask, softmax, transpose  # noqa: F401 (register)
+from .kind import KINDS, OpKind, op_kind
+
+__all__ = ["KINDS", "OpKind", "op_kind"]

@@ -1,0 +1,35 @@
+"""Kind ``add`` (EW): the sum of its inputs (residual connections; gradient accumulation)."""
+from __future__ import annotations
+
+from .kind import OpKind, align, elements, register
+
+
+def _add_vjp(d, op, ins, outs, dy, y_acc):
+    for t, _ in ins.values():
+        d.pass_through(t, dy)
+
+
+def _add_cpu(k, m, attrs):
+    k.ew(m, " + ".join(f"v_{c}" for c in sorted(m["inputs"])))
+
+
+def _add_cuda(k, m, attrs):
+    k.ew(m, " + ".join("{" + c + "}" for c in sorted(m["inputs"])))
+
+
+def _add_flop(attrs, inputs, outputs, size):
+    if "y" not in outputs:
+        raise ValueError("an add operator needs an output 'y'")
+    return (len(inputs) - 1) * elements(outputs["y"], size)
+
+
+def _add_reference(ins, outs, attrs):
+    parts = [align(t, lt, outs["y"]) for _, (t, lt) in sorted(ins.items())]
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return {"y": total}
+
+
+ADD = register(OpKind("add", "EW", flop=_add_flop, reference=_add_reference, vjp=_add_vjp, cpu=_add_cpu,
+                      cuda=_add_cuda, letter="R"))
