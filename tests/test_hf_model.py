@@ -433,7 +433,7 @@ def test_torch_export_and_jit_trace_of_an_eval_model():
 
 def test_decoders_and_cross_attention_are_kept_with_a_reason():
     model = BertModel(BertConfig(**TEXT, is_decoder=True, add_cross_attention=True))
-    with pytest.warns(UserWarning, match="no layer of a supported family"):
+    with pytest.warns(UserWarning, match=r"nothing replaced: 2 layer\(s\) cannot be converted"):
         optimize(model)
     kept = model.substation_summary.kept
     assert [(n, c) for n, c, _ in kept] == [("encoder.layer.0", "BertLayer"), ("encoder.layer.1", "BertLayer")]
@@ -448,7 +448,7 @@ def test_unsupported_activation_and_other_layer_classes_are_kept():
     model = BertModel(BertConfig(**TEXT, hidden_act="quick_gelu"))
     with pytest.warns(UserWarning):
         optimize(model)
-    assert "unsupported activation 'quick_gelu'" in model.substation_summary.kept[0][2]
+    assert "(QuickGELUActivation, config 'quick_gelu')" in model.substation_summary.kept[0][2]
     deberta = DebertaModel(DebertaConfig(hidden_size=I, num_attention_heads=H, intermediate_size=U,
                                          num_hidden_layers=2, vocab_size=V))
     with pytest.warns(UserWarning):
@@ -496,3 +496,72 @@ def test_round_trips_both_ways(which, tmp_path):
         assert rel(got, want) <= 1e-5
         assert rel(back(**inputs).last_hidden_state, got) <= 1e-6
         assert rel(fresh(**inputs).last_hidden_state, want) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ changes after optimize
+
+
+class LowRankLinear(nn.Linear):
+    """A LoRA-style adapter: the base projection plus a low-rank term."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__(base.in_features, base.out_features, dtype=base.weight.dtype)
+        self.load_state_dict(base.state_dict())
+        self.down = nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
+        self.up = nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+
+    def forward(self, x):
+        return super().forward(x) + self.up(self.down(x))
+
+
+def test_adapters_and_submodule_hooks_run_the_hugging_face_forward():
+    plain, ours = plain_and_optimized("bert")
+    for model in (plain, ours):
+        torch.manual_seed(36)
+        sa = model.encoder.layer[0].attention.self
+        sa.query = LowRankLinear(sa.query)
+    inputs = text_inputs(37)
+    with pytest.warns(UserWarning, match="attention.self.query is a LowRankLinear, not an nn.Linear"):
+        got = forward_backward(ours, inputs)
+    err = errors(got, forward_backward(plain, inputs))
+    assert "encoder.layer.0.attention.self.query.up.weight" in err
+    assert max(err.values()) <= 1e-10, err
+    seen = []
+    ours.encoder.layer[1].intermediate.dense.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    with pytest.warns(UserWarning, match="a forward hook on submodule intermediate.dense"):
+        ours(**inputs)
+    assert seen == [(B, J, U)]
+
+
+def test_settings_changed_after_optimize_switch_the_build():
+    plain, ours = plain_and_optimized("bert")
+    for model in (plain, ours):
+        for layer in model.encoder.layer:
+            layer.intermediate.intermediate_act_fn = nn.ReLU()
+            layer.output.LayerNorm.eps = layer.attention.output.LayerNorm.eps = 0.5
+    inputs = text_inputs(38)
+    with torch.no_grad():
+        assert rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state) <= 1e-10
+    config = ours.encoder.layer[0].substation_compiled.config
+    assert (config.activation, config.layer_norm_eps) == ("relu", 0.5)
+    for m in ours.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    ours.train()
+    with torch.no_grad():
+        assert rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state) <= 1e-10
+    assert ours.encoder.layer[1].substation_compiled.config.dropout.probabilities() == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_optimize_twice_and_a_layer_under_two_names():
+    _, ours = plain_and_optimized("bert")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimize(ours)
+    assert ours.substation_summary.already == 2 and ours.substation_summary.replaced == {}
+    assert "2 layer(s) were Substation layers already" in str(ours.substation_summary)
+    shared = BertModel(BertConfig(**TEXT)).double().eval()
+    shared.encoder.layer[1] = shared.encoder.layer[0]
+    optimize(shared)
+    assert shared.encoder.layer[0] is shared.encoder.layer[1]
+    assert isinstance(shared.encoder.layer[1], SubstationLayer)

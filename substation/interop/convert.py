@@ -12,71 +12,13 @@ import warnings
 import torch
 from torch import nn
 
-from ..config import CUDA_DTYPES, DTYPES, DropoutConfig, EncoderConfig
+from ..config import DTYPES, DropoutConfig, EncoderConfig
 from ..pipeline import cached_compile
-from ..runtime import ALL_TORCH_DTYPES, PARAMETER_NAMES, EncoderLayer
-from .families import Family, NotConvertible, activation_name, family_of
+from ..runtime import PARAMETER_NAMES, EncoderLayer
+from .families import DTYPE_NAMES, NotConvertible, activation_name, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
 
 __all__ = ["OptimizeSummary", "drop_in", "from_hf", "from_torch", "layer_config", "optimize"]
-
-_DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
-
-
-def _weights_dtype_and_target(layer: nn.Module) -> tuple[str, str]:
-    """(config dtype, target) from the layer's parameters (meta tensors count by dtype: weights loaded later).
-
-    Raises:
-        NotConvertible: mixed dtypes or devices, or a dtype the device's target does not compile.
-    """
-    dtypes = {p.dtype for p in layer.parameters()}
-    devices = {p.device.type for p in layer.parameters()} - {"meta"}
-    if len(dtypes) != 1:
-        raise NotConvertible(f"mixed parameter dtypes {sorted(map(str, dtypes))}; convert the model to one dtype first")
-    if len(devices) > 1:
-        raise NotConvertible(f"parameters on several devices ({', '.join(sorted(devices))})")
-    target = "cuda" if devices == {"cuda"} else "cpu"
-    if devices - {"cpu", "cuda"}:
-        raise NotConvertible(f"parameters on {devices.pop()}; Substation runs on the CPU and on CUDA GPUs")
-    dtype = _DTYPE_NAMES.get(next(iter(dtypes)))
-    allowed = CUDA_DTYPES if target == "cuda" else DTYPES
-    if dtype not in allowed:
-        raise NotConvertible(f"weights are {next(iter(dtypes))}; target {target} compiles {', '.join(allowed)} "
-                             f"(call optimize() on the float32 model)")
-    return dtype, target
-
-
-def _max_positions(layer: nn.Module) -> int | None:
-    for module in layer.modules():
-        n = getattr(getattr(module, "config", None), "max_position_embeddings", None)
-        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
-            return n
-    return None
-
-
-def layer_config(layer: nn.Module, family: Family | None = None, **config_overrides) -> EncoderConfig:
-    """The :class:`~substation.EncoderConfig` of a Hugging Face encoder layer of a supported family.
-
-    Read from the layer: I, H, P = I / H, U; the activation; the LayerNorm eps (both must agree);
-    the dropout probabilities; the weights' dtype and device (target ``cpu`` or ``cuda``); the
-    layer-norm placement of the family (BERT-like: post, ViT/DeiT: pre). Nominal B = 1 and L = the
-    model config's ``max_position_embeddings`` (512 if the layer does not reach its config),
-    ``mask: padding``; ``config_overrides`` are applied last with :meth:`EncoderConfig.replace`.
-
-    Raises:
-        NotConvertible: a layer whose math Substation does not implement (the one-line reason says why),
-            or not a layer of a supported family.
-        ConfigError: an invalid override.
-    """
-    family = family or family_of(layer)
-    if family is None:
-        raise NotConvertible(f"{type(layer).__name__} is not a layer class Substation converts")
-    fields = family.read(layer)
-    dtype, target = _weights_dtype_and_target(layer)
-    base = EncoderConfig(batch_size=1, max_seq_len=_max_positions(layer) or 512, layer_norm=family.layer_norm,
-                         dtype=dtype, mask="padding", target=target, name="hf-layer", **fields)
-    return base.replace(**config_overrides)
-
 
 def drop_in(hf_layer: nn.Module, **config_overrides) -> nn.Module:
     """The drop-in replacement of one Hugging Face encoder layer (what :func:`optimize` puts in its
@@ -87,7 +29,8 @@ def drop_in(hf_layer: nn.Module, **config_overrides) -> nn.Module:
             convert. ConfigError: a bad override. ToolchainError, BuildError: compilation failed.
     """
     family = family_of(hf_layer)
-    return replace_with_drop_in(hf_layer, family, cached_compile(layer_config(hf_layer, family, **config_overrides)))
+    config = layer_config(hf_layer, family, **config_overrides)
+    return replace_with_drop_in(hf_layer, family, cached_compile(config), config_overrides)
 
 
 def from_hf(hf_layer: nn.Module, **config_overrides) -> EncoderLayer:
@@ -178,14 +121,14 @@ def from_torch(layer: nn.TransformerEncoderLayer, **config_overrides) -> Encoder
     if p1 != p2:
         raise ValueError(f"dropout1.p={p1} and dropout2.p={p2} differ; Substation uses one hidden dropout probability")
     dtypes = {p.dtype for p in layer.parameters()}
-    if len(dtypes) != 1 or _DTYPE_NAMES.get(next(iter(dtypes))) not in DTYPES:
+    if len(dtypes) != 1 or DTYPE_NAMES.get(next(iter(dtypes))) not in DTYPES:
         raise TypeError(f"TransformerEncoderLayer has parameter dtypes {sorted(map(str, dtypes))}; Substation "
                         f"compiles float32 or float64 layers (convert it with .float() or .double() first)")
     config = EncoderConfig(
         batch_size=1, max_seq_len=512, hidden_size=i, num_heads=h, ffn_size=layer.linear1.out_features,
         activation=activation_name(layer.activation), layer_norm="pre" if layer.norm_first else "post",
         dropout=DropoutConfig(attention=float(sa.dropout), hidden=p1, activation=float(layer.dropout.p)),
-        layer_norm_eps=float(layer.norm1.eps), dtype=_DTYPE_NAMES[next(iter(dtypes))], mask="padding",
+        layer_norm_eps=float(layer.norm1.eps), dtype=DTYPE_NAMES[next(iter(dtypes))], mask="padding",
         target="cpu", name="torch-encoder-layer").replace(**config_overrides)
     new = EncoderLayer(cached_compile(config))
     sources = {"in_proj_weight": sa.in_proj_weight, "in_proj_bias": sa.in_proj_bias,
@@ -209,15 +152,19 @@ class OptimizeSummary:
         replaced: replaced layer class name -> count.
         kept: (module name, class name, one-line reason) of each encoder layer left as it was.
         configs: the distinct :class:`~substation.EncoderConfig` compiled.
+        already: layers that were Substation drop-ins before this call (an ``optimize`` run twice).
     """
 
     replaced: dict = dataclasses.field(default_factory=dict)
+    already: int = 0
     kept: list = dataclasses.field(default_factory=list)
     configs: list = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"substation.optimize: replaced {sum(self.replaced.values())} layer(s)"
                  + ("".join(f"\n  {n} x {cls}" for cls, n in self.replaced.items()))]
+        if self.already:
+            lines.append(f"{self.already} layer(s) were Substation layers already")
         if self.kept:
             lines.append(f"kept {len(self.kept)} layer(s) as they were:")
             lines += [f"  {name} ({cls}): {reason}" for name, cls, reason in self.kept]
@@ -225,17 +172,16 @@ class OptimizeSummary:
 
 
 def _encoder_layer_candidates(model: nn.Module):
-    """(name, module, family or None) of each module that is a supported family's layer or another
-    transformers ``GradientCheckpointingLayer`` (an encoder or decoder layer of some model)."""
+    """(name, module, family or None) of each module that is a supported family's layer, a Substation
+    drop-in layer, or another transformers ``GradientCheckpointingLayer`` (an encoder or decoder layer
+    of some model); a module reachable under several names is listed under each."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # pragma: no cover - older transformers
         GradientCheckpointingLayer = ()
     inside: list[str] = []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):
         if any(name.startswith(p + ".") for p in inside):
-            continue
-        if isinstance(module, SubstationLayer):
             continue
         family = family_of(module)
         if family is not None or (GradientCheckpointingLayer and isinstance(module, GradientCheckpointingLayer)):
@@ -279,11 +225,14 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
         raise RuntimeError(f"optimize() needs transformers >= 5 (layers return tensors and models pass 4-D masks "
                            f"from 5.0 on); found {transformers.__version__}")
     summary = OptimizeSummary()
-    planned = []
+    planned, already = [], 0
     for name, module, family in _encoder_layer_candidates(model):
         if name == "":
             raise ValueError("optimize() replaces the layers inside a model; for a single layer use "
                              "substation.interop.from_hf(layer)")
+        if isinstance(module, SubstationLayer):
+            already += 1
+            continue
         try:
             if family is None:
                 raise NotConvertible("no Substation conversion for this layer class")
@@ -293,17 +242,22 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
     if strict and summary.kept:
         raise ValueError("optimize(strict=True): these layers cannot be converted:\n"
                          + "\n".join(f"  {n} ({c}): {r}" for n, c, r in summary.kept))
-    new_layers = [replace_with_drop_in(module, family, cached_compile(config)) for _, module, family, config in planned]
-    for (name, module, _, config), new in zip(planned, new_layers):
+    converted: dict = {}    # id(layer) -> its drop-in: a layer reachable under several names is converted once
+    for _, module, family, config in planned:
+        if id(module) not in converted:
+            converted[id(module)] = replace_with_drop_in(module, family, cached_compile(config), config_overrides)
+    for name, module, _, config in planned:
+        new = converted[id(module)]
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         cls = type(module).__name__
         summary.replaced[cls] = summary.replaced.get(cls, 0) + 1
         if config not in summary.configs:
             summary.configs.append(config)
-    if not planned:
-        warnings.warn(f"optimize(): no layer of a supported family inside {type(model).__name__}; nothing "
-                      f"replaced" + (f" ({len(summary.kept)} kept: see model.substation_summary)" if summary.kept else ""),
-                      stacklevel=2)
+    summary.already = already
+    if not planned and not already:
+        what = (f"{len(summary.kept)} layer(s) cannot be converted (see model.substation_summary)" if summary.kept
+                else f"no layer of a supported family inside {type(model).__name__}")
+        warnings.warn(f"optimize(): nothing replaced: {what}", stacklevel=2)
     model.substation_summary = summary
     return model

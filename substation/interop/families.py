@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DropoutConfig
-from ..runtime import PARAMETER_NAMES
+from ..config import CUDA_DTYPES, DTYPES, DropoutConfig, EncoderConfig
+from ..runtime import ALL_TORCH_DTYPES, PARAMETER_NAMES
 
-__all__ = ["FAMILIES", "Family", "NotConvertible", "activation_name", "family_of"]
+DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
+
+__all__ = ["FAMILIES", "Family", "NotConvertible", "activation_name", "family_of", "layer_config"]
 
 _SUPPORTED_ACTIVATIONS = "exact GELU (gelu, gelu_python), tanh-approximated GELU (gelu_new, gelu_pytorch_tanh, " \
                          "gelu_python_tanh, gelu_accurate, gelu_fast) or ReLU (relu)"
@@ -64,8 +66,9 @@ def activation_name(act: Any, label: str = "") -> str:
             return "gelu"
         if type(act) in tanh:
             return "gelu_tanh"
-    what = label if isinstance(label, str) and label else getattr(act, "__name__", type(act).__name__)
-    raise NotConvertible(f"unsupported activation {what!r} ({type(act).__name__}); Substation supports "
+    what = getattr(act, "__name__", type(act).__name__)
+    configured = f", config {label!r}" if isinstance(label, str) and label else ""
+    raise NotConvertible(f"unsupported activation {what!r} ({type(act).__name__}{configured}); Substation supports "
                          f"{_SUPPORTED_ACTIVATIONS}")
 
 
@@ -280,3 +283,58 @@ def family_of(module: nn.Module) -> Family | None:
         if family.layer_class is cls:
             return family
     return None
+
+
+def _weights_dtype_and_target(layer: nn.Module) -> tuple[str, str]:
+    """(config dtype, target) from the layer's parameters (meta tensors count by dtype: weights loaded later).
+
+    Raises:
+        NotConvertible: mixed dtypes or devices, or a dtype the device's target does not compile.
+    """
+    dtypes = {p.dtype for p in layer.parameters()}
+    devices = {p.device.type for p in layer.parameters()} - {"meta"}
+    if len(dtypes) != 1:
+        raise NotConvertible(f"mixed parameter dtypes {sorted(map(str, dtypes))}; convert the model to one dtype first")
+    if len(devices) > 1:
+        raise NotConvertible(f"parameters on several devices ({', '.join(sorted(devices))})")
+    target = "cuda" if devices == {"cuda"} else "cpu"
+    if devices - {"cpu", "cuda"}:
+        raise NotConvertible(f"parameters on {devices.pop()}; Substation runs on the CPU and on CUDA GPUs")
+    dtype = DTYPE_NAMES.get(next(iter(dtypes)))
+    allowed = CUDA_DTYPES if target == "cuda" else DTYPES
+    if dtype not in allowed:
+        raise NotConvertible(f"weights are {next(iter(dtypes))}; target {target} compiles {', '.join(allowed)} "
+                             f"(call optimize() on the float32 model)")
+    return dtype, target
+
+
+def _max_positions(layer: nn.Module) -> int | None:
+    for module in layer.modules():
+        n = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+            return n
+    return None
+
+
+def layer_config(layer: nn.Module, family: Family | None = None, **config_overrides) -> EncoderConfig:
+    """The :class:`~substation.EncoderConfig` of a Hugging Face encoder layer of a supported family.
+
+    Read from the layer: I, H, P = I / H, U; the activation; the LayerNorm eps (both must agree);
+    the dropout probabilities; the weights' dtype and device (target ``cpu`` or ``cuda``); the
+    layer-norm placement of the family (BERT-like: post, ViT/DeiT: pre). Nominal B = 1 and L = the
+    model config's ``max_position_embeddings`` (512 if the layer does not reach its config),
+    ``mask: padding``; ``config_overrides`` are applied last with :meth:`EncoderConfig.replace`.
+
+    Raises:
+        NotConvertible: a layer whose math Substation does not implement (the one-line reason says why),
+            or not a layer of a supported family.
+        ConfigError: an invalid override.
+    """
+    family = family or family_of(layer)
+    if family is None:
+        raise NotConvertible(f"{type(layer).__name__} is not a layer class Substation converts")
+    fields = family.read(layer)
+    dtype, target = _weights_dtype_and_target(layer)
+    base = EncoderConfig(batch_size=1, max_seq_len=_max_positions(layer) or 512, layer_norm=family.layer_norm,
+                         dtype=dtype, mask="padding", target=target, name="hf-layer", **fields)
+    return base.replace(**config_overrides)

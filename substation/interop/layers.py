@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..pipeline import cached_compile
 from ..runtime import CompiledLayer, apply_probe, compiled_from_state, compiled_state, rebuild_for, run_layer
-from .families import FAMILIES, Family
+from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
 
@@ -53,15 +54,60 @@ class SubstationLayer:
     an additive ``finfo.min`` mask and zero probabilities with a bool mask, as the replaced layer.
 
     ``.to(dtype)``, ``.double()``, ``.float()`` switch to the build of that dtype through the build
-    cache; other dtypes and devices raise ``TypeError`` at that call.
+    cache; other dtypes and devices raise ``TypeError`` at that call. Settings changed after the
+    conversion (dropout probabilities, LayerNorm eps, the activation module) switch to the build of
+    the new config at the next call; a submodule replaced by another class (a LoRA adapter) or a
+    forward hook on a submodule makes the layer run the Hugging Face forward, with a warning.
     """
 
     substation_replaces: type
     substation_family: Family
     substation_compiled: CompiledLayer
+    substation_overrides: dict
+
+    def _substation_fingerprint(self) -> tuple:
+        # what the full check below reads, cheaply: submodule classes, hooks, dropout p and eps
+        return tuple((type(m), len(m._forward_hooks), len(m._forward_pre_hooks), m.__dict__.get("p"),
+                      m.__dict__.get("eps"), m.training) for m in self.modules())
+
+    def _substation_sync(self) -> str | None:
+        """:meth:`_substation_check` when the layer's submodules or settings changed since the last call
+        (its result is kept otherwise)."""
+        fingerprint = self._substation_fingerprint()
+        seen = self.__dict__.get("_substation_seen")
+        if seen is None or seen[0] != fingerprint:
+            seen = self._substation_seen = (fingerprint, self._substation_check())
+        return seen[1]
+
+    def _substation_check(self) -> str | None:
+        """Follow changes made to the layer since it was converted: why the compiled code cannot run it
+        now (a submodule replaced by another class, e.g. a LoRA adapter; a forward hook on a
+        submodule; a setting Substation does not implement), or None after switching to the build of
+        the layer's current config (dropout probabilities, eps, activation) through the build cache."""
+        for name, module in self.named_modules():
+            hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+            if name and any("output_capturing_hook" not in getattr(h, "__qualname__", "") for h in hooks):
+                return f"a forward hook on submodule {name}"
+        family = self.substation_family
+        for paths in family.paths.values():
+            for path in paths:
+                owner = self.get_submodule(path.rpartition(".")[0])
+                if type(owner) not in (nn.Linear, nn.LayerNorm):
+                    return f"{path.rpartition('.')[0]} is a {type(owner).__name__}, not an nn.Linear or nn.LayerNorm"
+        try:
+            config = layer_config(self, family, **self.substation_overrides)
+        except NotConvertible as e:
+            return str(e)
+        if config != self.substation_compiled.config:
+            self.substation_compiled = cached_compile(config, **self.substation_compiled.options)
+        return None
 
     def _substation_fallback(self, attention_mask, kwargs: dict) -> str | None:
         """Why this call must run the replaced layer's own forward, or None."""
+        if not torch.compiler.is_compiling():  # a compiled graph is specialised to the layer as traced
+            reason = self._substation_sync()
+            if reason is not None:
+                return reason
         if kwargs.get("output_attentions") or _attentions_requested():
             return "output_attentions=True (the compiled layer does not materialise attention probabilities)"
         for name in ("cache", "past_key_values", "layer_past", "head_mask"):
@@ -107,6 +153,7 @@ class SubstationLayer:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
         state["substation_compiled"] = compiled_state(self.substation_compiled)
+        state.pop("_substation_seen", None)
         return state
 
     def __setstate__(self, state):
@@ -162,10 +209,12 @@ _MODULE_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers
                  "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def replace_with_drop_in(layer: nn.Module, family: Family, compiled: CompiledLayer) -> nn.Module:
+def replace_with_drop_in(layer: nn.Module, family: Family, compiled: CompiledLayer,
+                         overrides: dict | None = None) -> nn.Module:
     """A drop-in layer that takes over ``layer``'s submodules, parameters (the same objects), buffers,
-    hooks, attributes and train/eval mode, and runs ``compiled``; ``layer`` itself is left unchanged
-    (its containers are copied, their contents shared)."""
+    hooks, attributes and train/eval mode, and runs ``compiled`` (built from ``layer``'s config with
+    the :class:`~substation.EncoderConfig` ``overrides``, reapplied when the layer's settings change);
+    ``layer`` itself is left unchanged (its containers are copied, their contents shared)."""
     cls = drop_in_class(family)
     new = cls.__new__(cls)
     state = dict(layer.__dict__)
@@ -174,4 +223,5 @@ def replace_with_drop_in(layer: nn.Module, family: Family, compiled: CompiledLay
             state[key] = type(state[key])(state[key])
     new.__dict__.update(state)
     new.substation_compiled = compiled
+    new.substation_overrides = dict(overrides or {})
     return new
