@@ -27,10 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
-import inspect
 import json
 import math
-import os
 import statistics
 import time
 from typing import Callable, Mapping
@@ -214,20 +212,9 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
 
 # -- graphs --------------------------------------------------------------------------------------
 def optimized_graphs(config: EncoderConfig):
-    """The (forward, backward) graphs after the pipeline's optimization stages.
-
-    Calls ``substation.pipeline.optimize_graphs(config)`` (expected to return the optimized
-    ``(forward, backward)`` :class:`~substation.graph.LayerGraph` pair) once the pipeline has it.
-
-    Raises:
-        NotImplementedError: the pipeline has no optimization stage yet.
-    """
-    from . import pipeline
-
-    optimize_graphs = getattr(pipeline, "optimize_graphs", None)
-    if optimize_graphs is None:
-        raise NotImplementedError("the fusion pass is not available yet")
-    return optimize_graphs(load_config(config))
+    """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's layouts."""
+    from .pipeline import compile_graphs
+    return compile_graphs(load_config(config), fuse_ops=True)
 
 
 # -- analysis ------------------------------------------------------------------------------------
@@ -543,10 +530,7 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     config = load_config(config)
     if compiled is None:
-        kwargs = {"instrument": True}
-        if "fuse" in inspect.signature(compile_layer).parameters:
-            kwargs["fuse"] = optimized
-        compiled = compile_layer(config, **kwargs)
+        compiled = compile_layer(config, instrument=True, fuse=optimized)
     if not (compiled.forward.instrumented and compiled.backward.instrumented):
         raise RuntimeError("measure() needs a layer compiled with instrument=True")
     layer = EncoderLayer(compiled).train()

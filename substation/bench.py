@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 
 __all__ = [
     "PASSES", "IMPLEMENTATIONS", "Candidate", "machine_info", "set_substation_threads", "padding_mask",
-    "hf_bert_layer", "eager_baseline", "time_step", "interleaved_times", "time_forward_backward",
+    "hf_bert_layer", "eager_baseline", "time_step", "interleaved_times",
     "saved_tensor_bytes", "fresh_inductor_cache", "sample_stats", "run_bench", "time_limit", "kernel_table",
     "format_bench", "format_kernels", "pyplot", "plot_bench", "plot_kernels", "write_json",
 ]
@@ -279,19 +279,6 @@ def interleaved_times(candidates: Iterable[Candidate], x, dy, repeats: int, warm
     return out
 
 
-def time_forward_backward(module, x, mask, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` forward+backward steps of ``module(x, mask)`` with ``dy`` = ones (one
-    warm-up step first). Prefer :func:`interleaved_times` to compare implementations.
-
-    Raises:
-        ValueError: ``repeats`` < 1.
-    """
-    import torch
-    cand = Candidate("module", lambda t: module(t, mask), list(module.parameters()))
-    dy = torch.ones_like(x)
-    return interleaved_times([cand], x, dy, repeats, warmup=1)["module"]["forward_backward"]
-
-
 def saved_tensor_bytes(forward: Callable, exclude: Iterable = ()) -> tuple[object, int, int]:
     """Bytes held for backward by one forward pass.
 
@@ -355,16 +342,12 @@ def fresh_inductor_cache():
             yield
 
 
-def _layout_kwargs(layout) -> dict:
-    return {} if layout is None else {"layout": layout}
-
-
 def _cold_compile(config, layout=None):
     """(CompiledLayer, pipeline seconds) with an empty, temporary build cache."""
     from .pipeline import compile_layer
     with tempfile.TemporaryDirectory(prefix="substation-bench-cache-") as tmp, _env("SUBSTATION_CACHE_DIR", tmp):
         t0 = time.perf_counter()
-        compiled = compile_layer(config, **_layout_kwargs(layout))
+        compiled = compile_layer(config, layout=layout)
         seconds = time.perf_counter() - t0
     return compiled, seconds  # the libraries stay loaded after their files are removed
 
@@ -606,7 +589,7 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
     config = _apply_overrides(config, batch_size, seq_len)
     machine = machine_info()
     torch.set_num_threads(machine["threads"])
-    compiled = compile_layer(config, instrument=True, **_layout_kwargs(layout))
+    compiled = compile_layer(config, instrument=True, layout=layout)
     set_substation_threads(compiled, machine["threads"])
     m = measure(config, repeats=repeats, warmup=warmup, compiled=compiled, copy_bytes=copy_bytes)
     sizes = config.sizes()

@@ -108,7 +108,7 @@ def cmd_compile(args) -> int:
 
     from .bench import Candidate, interleaved_times
     from .config import load_config
-    from .pipeline import STAGES, compile_layer
+    from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
     from .runtime import EncoderLayer
 
@@ -116,8 +116,8 @@ def cmd_compile(args) -> int:
     if args.target or args.cuda_arch:
         config = config.replace(**{k: v for k, v in (("target", args.target), ("cuda_arch", args.cuda_arch)) if v})
     out = args.out or os.path.join("out", config.name)
-    names = [name for name, _ in STAGES]
-    bar = tqdm(total=len(STAGES), desc=f"compile {config.name}", unit="stage", file=sys.stderr)
+    names = Pipeline().names
+    bar = tqdm(total=len(names), desc=f"compile {config.name}", unit="pass", file=sys.stderr)
 
     def step(name):
         bar.n = names.index(name)

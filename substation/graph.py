@@ -147,6 +147,38 @@ class LayerGraph:
         return [n for n in nx.lexicographical_topological_sort(g, key=order.__getitem__)
                 if isinstance(n, Operator)]
 
+    def check(self) -> None:
+        """Substation's own consistency checks, next to ``sdfg.validate()``: every operand names a
+        tensor of the graph (or, inside a fused operator, one its kernel keeps to itself) with one
+        access letter or index per dimension, and every tensor's SDFG array has the strides of its
+        layout.
+
+        Raises:
+            ValueError: the first inconsistency, named.
+        """
+        for name, info in self.tensors.items():
+            array = self.sdfg.arrays.get(name)
+            if array is None:
+                raise ValueError(f"{self.phase} graph: tensor {name} has no SDFG array")
+            if sorted(info.layout) != sorted(info.dims):
+                raise ValueError(f"{self.phase} graph: tensor {name} has layout {info.layout} for dims {info.dims}")
+            want = layout_strides(info.dims, info.layout)
+            if tuple(sympy.sympify(s) - sympy.sympify(w) for s, w in zip(array.strides, want)) != (0,) * len(want):
+                raise ValueError(f"{self.phase} graph: {name}'s SDFG strides {tuple(array.strides)} differ from "
+                                 f"its layout {info.layout} {want}")
+        for op in self.operators():
+            members = op.attrs["ops"] if op.kind == "fused" else [{"inputs": self.inputs_of(op),
+                                                                    "outputs": self.outputs_of(op)}]
+            for m in members:
+                for conn, (t, access) in (*m["inputs"].items(), *m["outputs"].items()):
+                    info = self.tensors.get(t)
+                    if info is None:
+                        if op.kind != "fused":
+                            raise ValueError(f"{self.phase} graph: {op.label}.{conn} reads or writes unknown tensor {t}")
+                    elif len(access) != len(info.dims):
+                        raise ValueError(f"{self.phase} graph: {op.label}.{conn} accesses {t}[{access}], but {t} "
+                                         f"has dims {info.dims}")
+
     def operands(self, op: Operator) -> dict[str, tuple[str, str]]:
         """Connector -> (tensor name, access string) for every input and output of ``op``."""
         res = {}

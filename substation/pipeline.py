@@ -1,95 +1,248 @@
-"""The compilation pipeline: named stages, in order, from a config to a loaded layer."""
+"""The compilation pipeline: one list of passes, in order, from a config to a loaded layer.
+
+Each pass (DaCe's ``Pass`` / ``Pipeline`` contract in ``dace/transformation/pass_pipeline.py`` is the
+model) has a name, says which artifacts it needs and which it changes, and runs on a
+:class:`PipelineState`; :class:`PipelineOptions` are typed and serializable, so a recipe can be saved
+and replayed. The graphs are validated after every pass that changes them (``sdfg.validate()`` and
+:meth:`~substation.graph.LayerGraph.check`). :data:`PASSES` is the single list the API, the CLI and its
+progress bar, and the tests use.
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+from typing import Any, Callable, Mapping
 
 from .autodiff import build_backward
 from .build import build_libraries
 from .codegen import generate_cpu
 from .config import EncoderConfig, load_config
-from .graph import build_forward
-from .passes import fuse as fuse_pass
+from .graph import LayerGraph, build_forward
+from .passes import fuse as fuse_graph
+from .passes.layout import LayoutPlan, apply_plan, load_plan
 from .runtime import CompiledGraph, CompiledLayer
 
-__all__ = ["STAGES", "cached_compile", "compile_graphs", "compile_layer"]
+__all__ = ["PASSES", "Pass", "Pipeline", "PipelineOptions", "PipelineState", "cached_compile", "compile_graphs",
+           "compile_layer"]
 
-#: The stages, in order: (name, what it does).
-STAGES = (
-    ("graph", "build the forward SDFG from the config"),
-    ("autodiff", "derive the backward SDFG; mark what forward saves"),
-    ("fusion", "group element-wise and normalization operators into row kernels"),
-    ("layout", "apply a layout plan: tensor strides, explicit transposes, vectorized letters"),
-    ("codegen", "generate C++ for each graph"),
-    ("build", "compile and link against BLAS, through the build cache"),
-    ("load", "load the libraries behind torch.autograd"),
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """The options of one pipeline run.
+
+    Attributes:
+        fuse: run the fusion pass (row kernels); False: one kernel per operator.
+        layout: a layout plan: a path, a bundled plan name or a :class:`LayoutPlan`; None or
+            ``"default"`` keeps PyTorch's layouts.
+        instrument: per-operator timers in the CPU libraries (``CompiledGraph.op_seconds``).
+
+    Raises:
+        TypeError: an option of the wrong type.
+    """
+
+    fuse: bool = True
+    layout: Any = None
+    instrument: bool = False
+
+    def __post_init__(self):
+        for name in ("fuse", "instrument"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        if not (self.layout is None or isinstance(self.layout, (str, os.PathLike, LayoutPlan))):
+            raise TypeError(f"PipelineOptions.layout must be None, a plan path or name, or a LayoutPlan; "
+                            f"got {type(self.layout).__name__}")
+
+    def to_dict(self) -> dict:
+        """Plain data (a layout plan object becomes its JSON mapping)."""
+        layout = self.layout.to_dict() if isinstance(self.layout, LayoutPlan) else \
+            (os.fspath(self.layout) if self.layout is not None else None)
+        return {"fuse": self.fuse, "layout": layout, "instrument": self.instrument}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "PipelineOptions":
+        """The inverse of :meth:`to_dict`.
+
+        Raises:
+            KeyError: an unknown option. TypeError: a wrong type.
+        """
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise KeyError(f"unknown pipeline options {sorted(unknown)}")
+        layout = data.get("layout")
+        if isinstance(layout, Mapping):
+            layout = load_plan(layout)
+        return cls(fuse=data.get("fuse", True), layout=layout, instrument=data.get("instrument", False))
+
+
+@dataclasses.dataclass
+class PipelineState:
+    """What the passes read and write (the artifacts).
+
+    Attributes:
+        config: the encoder config. options: the run's options.
+        forward, backward: the :class:`~substation.graph.LayerGraph` pair (SDFGs inside).
+        sources: generated source of each graph (``forward``/``backward``).
+        built: the build results (library paths, build seconds).
+        compiled: the loaded :class:`~substation.runtime.CompiledLayer`.
+    """
+
+    config: EncoderConfig
+    options: PipelineOptions
+    forward: LayerGraph | None = None
+    backward: LayerGraph | None = None
+    sources: dict | None = None
+    built: dict | None = None
+    compiled: CompiledLayer | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One pass.
+
+    Attributes:
+        name: the pass' name (progress bar, ``until=``).
+        description: what it does, one line.
+        needs: artifacts (:class:`PipelineState` fields) it reads.
+        changes: artifacts it writes.
+        run: ``state -> None``.
+        enabled: ``options -> bool`` (a disabled pass is skipped, e.g. fusion with ``fuse=False``).
+    """
+
+    name: str
+    description: str
+    needs: frozenset
+    changes: frozenset
+    run: Callable[[PipelineState], None]
+    enabled: Callable[[PipelineOptions], bool] = lambda options: True
+
+
+def _graph(state: PipelineState) -> None:
+    state.forward = build_forward(state.config)
+
+
+def _autodiff(state: PipelineState) -> None:
+    state.forward, state.backward = build_backward(state.forward)
+
+
+def _fusion(state: PipelineState) -> None:
+    state.forward, state.backward = fuse_graph(state.forward), fuse_graph(state.backward)
+
+
+def _layout(state: PipelineState) -> None:
+    state.forward, state.backward = apply_plan(state.forward, state.backward, state.options.layout)
+
+
+def _codegen(state: PipelineState) -> None:
+    if state.config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
+        from .codegen_cuda import generate_cuda
+        if state.options.instrument:
+            raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
+        state.sources = {"forward": generate_cuda(state.forward), "backward": generate_cuda(state.backward)}
+    else:
+        state.sources = {p: generate_cpu(g, state.options.instrument)
+                         for p, g in (("forward", state.forward), ("backward", state.backward))}
+
+
+def _build(state: PipelineState) -> None:
+    if state.config.target == "cuda":
+        from .build_cuda import build_cuda_libraries
+        state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
+    else:
+        state.built = build_libraries(state.sources)
+
+
+def _load(state: PipelineState) -> None:
+    opts = state.options
+    state.compiled = CompiledLayer(
+        state.config, CompiledGraph(state.forward, state.built["forward"].path),
+        CompiledGraph(state.backward, state.built["backward"].path), {k: v.seconds for k, v in state.built.items()},
+        state.sources, {"fuse": opts.fuse, "layout": opts.layout, "instrument": opts.instrument})
+
+
+_GRAPHS = frozenset({"forward", "backward"})
+
+#: The passes, in order.
+PASSES = (
+    Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), frozenset({"forward"}), _graph),
+    Pass("autodiff", "derive the backward SDFG; mark what forward saves", frozenset({"forward"}), _GRAPHS, _autodiff),
+    Pass("fusion", "group element-wise and normalization operators into row kernels", _GRAPHS, _GRAPHS, _fusion,
+         lambda o: o.fuse),
+    Pass("layout", "apply a layout plan: tensor strides, explicit transposes, vectorized letters", _GRAPHS, _GRAPHS,
+         _layout, lambda o: o.layout is not None),
+    Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _GRAPHS, frozenset({"sources"}), _codegen),
+    Pass("build", "compile and link against BLAS / cuBLAS, through the build cache", frozenset({"sources"}),
+         frozenset({"built"}), _build),
+    Pass("load", "load the libraries behind the torch custom operators", frozenset({"built"}) | _GRAPHS,
+         frozenset({"compiled"}), _load),
 )
 
 
-def compile_graphs(config: EncoderConfig, fuse_ops: bool = False, layout=None):
-    """Stages ``graph``, ``autodiff``, (with ``fuse_ops``) ``fusion`` and (with ``layout``, a plan path,
-    name or :class:`~substation.passes.layout.LayoutPlan`; None/"default" keeps PyTorch's layouts)
-    ``layout``: the (forward, backward) :class:`~substation.graph.LayerGraph` pair."""
-    fwd, bwd = build_backward(build_forward(config))
-    if fuse_ops:
-        fwd, bwd = fuse_pass(fwd), fuse_pass(bwd)
-    if layout is not None:
-        from .passes.layout import apply_plan
-        fwd, bwd = apply_plan(fwd, bwd, layout)
-    return fwd, bwd
+class Pipeline:
+    """Runs a list of passes (default :data:`PASSES`) in order, checking each one's needs and
+    validating the graphs after each pass that changes them.
+
+    Raises (from :meth:`run`):
+        ValueError: ``until`` is not a pass name; a pass whose needs are missing (a bad pass list).
+        ConfigError, FileNotFoundError: a bad config. PlanError: a layout plan that does not fit.
+        LayoutError: layouts that need a transpose. ToolchainError, BuildError: the compiler failed.
+        dace's InvalidSDFGError: a pass produced an invalid SDFG.
+    """
+
+    def __init__(self, passes: tuple = PASSES):
+        self.passes = tuple(passes)
+
+    @property
+    def names(self) -> list[str]:
+        """The passes' names, in order."""
+        return [p.name for p in self.passes]
+
+    def run(self, config, options: PipelineOptions | None = None, until: str | None = None,
+            progress: Callable[[str], None] | None = None) -> PipelineState:
+        """Run the passes on ``config`` (a config, a YAML path or a bundled name), up to and including
+        ``until``; ``progress`` is called with each pass' name as it starts (skipped passes too)."""
+        if until is not None and until not in self.names:
+            raise ValueError(f"until={until!r} is not a pass (passes: {', '.join(self.names)})")
+        state = PipelineState(load_config(config), options or PipelineOptions())
+        have = {"config"}
+        for p in self.passes:
+            if progress is not None:
+                progress(p.name)
+            if p.enabled(state.options):
+                missing = p.needs - have
+                if missing:
+                    raise ValueError(f"pass {p.name} needs {sorted(missing)}, which no earlier pass produced")
+                p.run(state)
+                have |= p.changes
+                for name in sorted(p.changes & _GRAPHS):
+                    graph = getattr(state, name)
+                    graph.sdfg.validate()
+                    graph.check()
+            if p.name == until:
+                break
+        return state
 
 
-def optimize_graphs(config: EncoderConfig):
-    """The optimized (forward, backward) graphs: every optimization stage applied."""
-    return compile_graphs(config, fuse_ops=True)
+def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None):
+    """The (forward, backward) :class:`~substation.graph.LayerGraph` pair after the passes up to
+    ``layout`` (fusion with ``fuse_ops``; ``layout`` as :class:`PipelineOptions`)."""
+    state = Pipeline().run(config, PipelineOptions(fuse=fuse_ops, layout=layout), until="layout")
+    return state.forward, state.backward
 
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
                   fuse: bool = True, layout=None) -> CompiledLayer:
-    """Run every stage for ``config`` (a config, a YAML path or a bundled config name).
+    """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
+    loaded :class:`~substation.runtime.CompiledLayer`.
 
-    ``progress``, if given, is called with each stage name as it starts. ``instrument`` adds
-    per-operator timers (:meth:`~substation.runtime.CompiledGraph.op_seconds`); ``fuse=False`` skips
-    the fusion stage (one kernel per operator). ``layout`` is a layout plan (path, bundled name or
-    :class:`~substation.passes.layout.LayoutPlan`) applied after fusion; None or ``"default"`` keeps
-    PyTorch's layouts (PlanError: a plan that does not fit the graphs).
+    ``progress``, if given, is called with each pass name as it starts. ``instrument``, ``fuse`` and
+    ``layout``: see :class:`PipelineOptions`.
 
     Raises:
-        ConfigError, FileNotFoundError: a bad config.
-        LayoutError: layouts that need a transpose. ToolchainError, BuildError: the compiler failed
-            (target ``cuda``: nvcc of CUDA >= 12 or cuBLAS missing, see docs/cuda.md).
-        ValueError: ``instrument`` with target ``cuda``.
+        as :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
     """
-    config = load_config(config)
-    step = progress or (lambda name: None)
-    step("graph")
-    fwd = build_forward(config)
-    step("autodiff")
-    fwd, bwd = build_backward(fwd)
-    step("fusion")
-    if fuse:
-        fwd, bwd = fuse_pass(fwd), fuse_pass(bwd)
-    step("layout")
-    if layout is not None:
-        from .passes.layout import apply_plan
-        fwd, bwd = apply_plan(fwd, bwd, layout)
-    step("codegen")
-    if config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
-        from .build_cuda import build_cuda_libraries
-        from .codegen_cuda import generate_cuda
-        if instrument:
-            raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
-        sources = {"forward": generate_cuda(fwd), "backward": generate_cuda(bwd)}
-        step("build")
-        built = build_cuda_libraries(sources, config.cuda_arch)
-    else:
-        sources = {"forward": generate_cpu(fwd, instrument), "backward": generate_cpu(bwd, instrument)}
-        step("build")
-        built = build_libraries(sources)
-    step("load")
-    return CompiledLayer(config, CompiledGraph(fwd, built["forward"].path), CompiledGraph(bwd, built["backward"].path),
-                         {k: v.seconds for k, v in built.items()}, sources,
-                         {"fuse": fuse, "layout": layout, "instrument": instrument})
+    return Pipeline().run(config, PipelineOptions(fuse=fuse, layout=layout, instrument=instrument),
+                          progress=progress).compiled
 
 
 _LOADED: dict = {}

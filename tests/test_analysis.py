@@ -248,17 +248,9 @@ def test_fused_operator_counts_members_flop_and_own_bytes():
     assert k.flop_expr == sympy.expand(sum(unfused[n].flop_expr for n in BDRLN))
 
 
-def test_optimized_without_fusion_pass(monkeypatch, capsys):
-    monkeypatch.delattr(pipeline, "optimize_graphs", raising=False)
-    with pytest.raises(NotImplementedError, match="the fusion pass is not available yet"):
-        analyze("tiny", optimized=True)
-    assert main(["report", "tiny", "--optimized"]) == 2
-    assert "fusion pass is not available yet" in capsys.readouterr().err
-
-
 def test_optimized_reduction_with_a_fusion_pass(monkeypatch, tmp_path):
     fused = _refuse(_graphs("tiny")[0], BDRLN, "bdrln2"), _graphs("tiny")[1]
-    monkeypatch.setattr(pipeline, "optimize_graphs", lambda config: fused, raising=False)
+    monkeypatch.setattr(analysis, "optimized_graphs", lambda config: fused)
     a = analyze("tiny", optimized=True)
     plain = _analysis("tiny")
     s = a.sizes
@@ -319,7 +311,6 @@ def test_measure_tiny(tmp_path):
     assert (tmp_path / "m.png").stat().st_size > 10_000
 
 
-@pytest.mark.skipif(not hasattr(pipeline, "optimize_graphs"), reason="the pipeline has no optimization stage yet")
 def test_pipeline_optimization_conserves_flop_and_moves_less():
     """Whatever the pipeline's fusion does, it must not change the arithmetic, and may only remove bytes."""
     for name in ("tiny", "bert-large-b8-l512"):

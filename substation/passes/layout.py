@@ -53,7 +53,7 @@ from ..resources import bundled_file
 __all__ = [
     "PLAN_FORMAT", "LayoutError", "LayoutInfeasible", "PlanError", "CostModel", "Mode", "Candidate",
     "TensorVar", "OpVar", "LayoutProblem", "Solution", "LayoutPlan", "build_problem", "solve",
-    "lower_bound", "default_solution", "evaluate", "apply_plan", "load_plan", "default_plan",
+    "lower_bound", "default_solution", "apply_plan", "load_plan",
     "plan_from_solution", "op_candidates", "gemm_modes", "make_problem",
 ]
 
@@ -694,24 +694,6 @@ def _op_options(ov: OpVar):
     return [(m, False) for m in ov.modes] + [(c, True) for c in ov.candidates]
 
 
-def evaluate(problem: LayoutProblem, layouts: Mapping[str, str], choice: Mapping[str, object] | None = None) -> float:
-    """Seconds of one assignment with no transposes: stored ``layouts`` (missing: PyTorch's), every
-    operator accessing every tensor in its stored layout and taking its cheapest compatible mode or
-    candidate. Returns inf when some operator has no compatible candidate."""
-    total = 0.0
-    for key, ov in problem.ops.items():
-        lay = {t: layouts.get(t, problem.tensors[t].dims) for t in ov.reads + ov.writes}
-        best = math.inf
-        for m in ov.modes:
-            if all(lay[t] in m.operand[t] for t in lay):
-                best = min(best, (m.base + sum(m.operand[t][lay[t]] for t in lay)) * ov.scale)
-        for c in ov.candidates:
-            if all(c.layouts.get(t) == lay[t] for t in lay):
-                best = min(best, c.seconds)
-        total += best
-    return total
-
-
 def default_solution_seconds(problem: LayoutProblem) -> float:
     """Seconds with PyTorch's layouts everywhere and each operator's default candidate."""
     total = 0.0
@@ -1021,11 +1003,6 @@ class LayoutPlan:
         """Raises FileNotFoundError, PlanError."""
         with open(path) as f:
             return cls.from_json(f.read())
-
-
-def default_plan() -> LayoutPlan:
-    """The plan that keeps PyTorch's layouts everywhere."""
-    return LayoutPlan(meta={"description": "PyTorch's layouts everywhere; codegen picks its own loops"})
 
 
 def load_plan(plan) -> LayoutPlan | None:
