@@ -12,7 +12,8 @@ code of its own. Rules (y is the operator's output, dy its gradient):
   counter-based random stream (EW); nothing is saved.
 * activation: ``dx = dy * f'(x)`` (EW, needs x).
 * softmax over K: ``dx = y * (dy - sum_K(y * dy))`` (SN, needs y).
-* layer norm over I: ``dx`` from x, mean, 1/std and gamma (SN) and ``dgamma, dbeta`` (SN).
+* layer norm over I: ``dx`` from x, mean, 1/std and gamma (SN) and ``dgamma, dbeta`` (SN); RMSNorm:
+  ``dx`` from x, 1/rms and gamma (SN) and ``dgamma`` (SN).
 
 Gradients reaching one tensor from several consumers are summed by one ``add`` operator; gradients of
 disjoint views (Q, K, V of the stacked QKV tensor) are written straight into one tensor. Forward
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .graph import PARAMETERS, GraphBuilder, LayerGraph
+from .graph import GraphBuilder, LayerGraph, parameters
 from .ops import op_kind
 
 __all__ = ["build_backward"]
@@ -126,7 +127,7 @@ class _Differentiator:
             vjp(self, op, ins, outs, dy, y_acc)
         dx = self.grad_of("X")
         assert dx == "dX", dx
-        missing = [p for p in PARAMETERS if f"d{p}" not in g.tensors]
+        missing = [p for p in parameters(self.fwd.config) if f"d{p}" not in g.tensors]
         if missing:
             raise RuntimeError(f"internal error: no gradient reaches parameters {missing}")
         bwd = g.finish()

@@ -624,7 +624,7 @@ def _records(graph: LayerGraph, op: Operator) -> list[dict]:
 
 def stat_tensors(graph: LayerGraph) -> set[str]:
     """Names of the per-row statistics tensors of ``graph`` (the operands of each member's
-    ``statistics`` connectors: layer-norm ``mean``/``rstd``), shape [B, J]."""
+    ``statistics`` connectors: layer norm's ``mean``/``rstd``, RMSNorm's ``rstd``), shape [B, J]."""
     names = set()
     for op in graph.operators():
         if op.op_class == "TC":
@@ -636,7 +636,7 @@ def stat_tensors(graph: LayerGraph) -> set[str]:
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
-    """Dtype name of every tensor of ``graph`` in a CPU build: the config's dtype, except layer-norm
+    """Dtype name of every tensor of ``graph`` in a CPU build: the config's dtype, except normalization
     statistics (:func:`stat_tensors`), kept in float64: backward recomputes (x - mean) / std from them,
     and a float32 mean of a row with a large mean and a small spread would lose most of its digits."""
     stats = stat_tensors(graph)

@@ -14,16 +14,17 @@ The same graphs as the CPU target (fused or not, any layout the graph carries) b
   one warp (short rows, 4 rows per block) or one block (long rows); every thread owns the same inner
   elements in every loop of the kernel, so intermediate tensors live in registers inside a loop and
   in shared-memory row buffers across loops without any barrier, and only row reductions (softmax,
-  layer norm and their gradients: warp shuffles plus a shared-memory step across warps) synchronize.
+  layer norm, RMSNorm and their gradients: warp shuffles plus a shared-memory step across warps)
+  synchronize.
   Along the contiguous inner letter, 16-byte vector loads and stores are used when the launcher
   finds every operand contiguous and aligned (otherwise a scalar instantiation runs). Math is in
   float32 for float32/float16/bfloat16 tensors (loads convert, stores round), float64 for float64.
   Dropout is the CPU build's counter-based Philox: same (seed, stream, element index), same mask.
-  Column reductions (bias and layer-norm parameter gradients) write per-row-slot partial sums to
+  Column reductions (bias and norm parameter gradients) write per-row-slot partial sums to
   the workspace (a fixed number of slots, independent of the GPU) and a second kernel adds them in
   a fixed order: results are deterministic.
 
-Layer-norm statistics (``*_mean``, ``*_rstd``) are stored in the compute type (float32 for float16
+Normalization statistics (``*_mean``, ``*_rstd``) are stored in the compute type (float32 for float16
 and bfloat16 layers): see :func:`tensor_dtypes`. Every other tensor has the config's dtype.
 
 The generated library exports the CPU ABI plus a stream::
@@ -54,7 +55,7 @@ __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "C
 
 #: Config dtype -> C++ storage type of the generated code.
 STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-#: Config dtype -> dtype of the arithmetic (and of layer-norm statistics).
+#: Config dtype -> dtype of the arithmetic (and of normalization statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
 
@@ -64,7 +65,7 @@ def _symbol(dim: str):
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
-    """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except layer-norm
+    """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except normalization
     statistics (:func:`~substation.codegen.stat_tensors`), which have the compute dtype (float32 for
     float16/bfloat16 layers), so that backward recomputes normalized values from exact statistics."""
     dt = graph.config.dtype
@@ -239,7 +240,7 @@ class _RowKernel:
                 lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
 
     def put_row(self, t: str, a: str, value: str) -> None:
-        """A row-level output (layer-norm statistics): kept in a variable, written by lane 0."""
+        """A row-level output (normalization statistics): kept in a variable, written by lane 0."""
         self.scalars[t] = value
         if t in self.graph.tensors:
             self.rows.append(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
@@ -477,7 +478,7 @@ def generate_cuda(graph: LayerGraph) -> str:
     """CUDA C++ source of ``graph`` (see the module docstring for the exported ABI).
 
     Tensors: every non-temporary tensor of ``graph`` is an argument, of the config's dtype
-    (float32, float64, float16 or bfloat16) except layer-norm statistics ([B, J], compute dtype);
+    (float32, float64, float16 or bfloat16) except normalization statistics ([B, J], compute dtype);
     H, P, I, U are compile-time constants, B, J, K runtime sizes. Compile with
     :func:`substation.build_cuda.build_cuda_library`.
 

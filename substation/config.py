@@ -2,8 +2,9 @@
 
 A config names the sizes of one transformer encoder layer with the paper's dimension letters
 (B batch, L maximum sequence length = J = K, I hidden size, H heads, P = I / H head size, U
-feed-forward size) and the variant: activation, layer-norm placement, dropout probabilities,
-layer-norm eps, dtype, attention mask support and code-generation target.
+feed-forward size) and the variant: activation, normalization (layer norm or RMSNorm) and its
+placement, dropout probabilities, normalization eps, dtype, attention mask support and
+code-generation target.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ __all__ = ["ConfigError", "DropoutConfig", "EncoderConfig", "load_config"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 LAYER_NORM_PLACEMENTS = ("post", "pre")
+NORM_TYPES = ("layer_norm", "rms_norm")
 DTYPES = ("float32", "float64")
 #: dtypes of target ``cuda`` (half precision computes in float32; see docs/cuda.md).
 CUDA_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -120,11 +122,16 @@ class EncoderConfig:
         num_heads: H; I must be divisible by H.
         ffn_size: U, the feed-forward (intermediate) size.
         activation: ``gelu`` (erf form), ``gelu_tanh`` (tanh approximation) or ``relu``.
-        layer_norm: ``post`` (BERT: residual then layer norm) or ``pre`` (layer norm on each branch input).
+        layer_norm: ``post`` (BERT: residual then layer norm) or ``pre`` (layer norm on each branch input);
+            the placement of either ``norm_type``.
+        norm_type: ``layer_norm`` (``y = (x - mean) / sqrt(var + eps) * weight + bias`` over I) or
+            ``rms_norm`` (``y = x / sqrt(mean(x^2) + eps) * weight``: a weight and no bias, so the layer
+            has no ``norm1_bias`` / ``norm2_bias``).
         dropout: the three dropout probabilities.
-        layer_norm_eps: epsilon added to the variance, > 0 and finite (any size, as ``nn.LayerNorm``).
+        layer_norm_eps: epsilon added to the variance (``rms_norm``: to the mean square), > 0 and finite
+            (any size, as ``nn.LayerNorm``).
         dtype: ``float32`` or ``float64``; with target ``cuda`` also ``float16`` or ``bfloat16``.
-            Parameters, activations and gradients all use it (CUDA layer-norm statistics excepted).
+            Parameters, activations and gradients all use it (normalization statistics excepted).
         mask: ``none`` (no mask input), ``padding`` (additive or boolean key mask [B, K]) or
             ``causal`` (key k > query j masked, plus an optional padding mask).
         target: code-generation target, ``cpu`` or ``cuda`` (NVIDIA GPUs, see docs/cuda.md).
@@ -143,6 +150,7 @@ class EncoderConfig:
     ffn_size: int = 3072
     activation: str = "gelu"
     layer_norm: str = "post"
+    norm_type: str = "layer_norm"
     dropout: DropoutConfig = dataclasses.field(default_factory=DropoutConfig)
     layer_norm_eps: float = 1e-12
     dtype: str = "float32"
@@ -160,6 +168,7 @@ class EncoderConfig:
             )
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("layer_norm", self.layer_norm, LAYER_NORM_PLACEMENTS)
+        _choice("norm_type", self.norm_type, NORM_TYPES)
         _choice("target", self.target, TARGETS)
         allowed = CUDA_DTYPES if self.target == "cuda" else DTYPES
         if not isinstance(self.dtype, str) or self.dtype not in allowed:

@@ -23,7 +23,8 @@ from dace.properties import DictProperty, Property
 
 from .config import EncoderConfig
 
-__all__ = ["Operator", "TensorInfo", "LayerGraph", "GraphBuilder", "build_forward", "DIMENSIONS", "access_letters"]
+__all__ = ["Operator", "TensorInfo", "LayerGraph", "GraphBuilder", "build_forward", "parameters", "DIMENSIONS",
+           "access_letters"]
 
 #: Dimension letters and their meaning (DESIGN.md section 2); ``3`` stacks Q, K and V.
 DIMENSIONS = {"B": "batch", "J": "query position", "K": "key position", "H": "heads", "P": "head size",
@@ -290,16 +291,24 @@ class GraphBuilder:
         return LayerGraph(self.sdfg, self.tensors, self.phase, self.config)
 
 
-#: Parameters of the layer: name -> dims. Names and shapes are those of
-#: ``torch.nn.TransformerEncoderLayer`` (``in_proj_weight`` is [3 * I, I] = [T, H, P, I]).
-PARAMETERS = {
-    "in_proj_weight": "THPI", "in_proj_bias": "THP",
-    "out_proj_weight": "IHP", "out_proj_bias": "I",
-    "linear1_weight": "UI", "linear1_bias": "U",
-    "linear2_weight": "IU", "linear2_bias": "I",
-    "norm1_weight": "I", "norm1_bias": "I",
-    "norm2_weight": "I", "norm2_bias": "I",
-}
+def parameters(config: EncoderConfig) -> dict[str, str]:
+    """The layer's parameters, name -> dims, in the order the operators (and ``EncoderLayer``) take them.
+
+    Names and shapes are those of ``torch.nn.TransformerEncoderLayer`` (``in_proj_weight`` is
+    [3 * I, I] = [T, H, P, I]); ``norm_type: rms_norm`` has norm weights [I] and no norm biases.
+    """
+    params = {
+        "in_proj_weight": "THPI", "in_proj_bias": "THP",
+        "out_proj_weight": "IHP", "out_proj_bias": "I",
+        "linear1_weight": "UI", "linear1_bias": "U",
+        "linear2_weight": "IU", "linear2_bias": "I",
+    }
+    for norm in ("norm1", "norm2"):
+        params[f"{norm}_weight"] = "I"
+        if config.norm_type == "layer_norm":
+            params[f"{norm}_bias"] = "I"
+    return params
+
 
 #: Dropout sites: operator name -> (config field, random stream id, dims of the random index).
 DROPOUT_SITES = {
@@ -311,7 +320,8 @@ DROPOUT_SITES = {
 
 
 def build_forward(config: EncoderConfig) -> LayerGraph:
-    """The forward pass of one encoder layer (post-LN BERT or pre-LN) as a :class:`LayerGraph`.
+    """The forward pass of one encoder layer (post-LN BERT or pre-LN; layer norm or RMSNorm, whose
+    operators are still named ``layer_norm1`` / ``layer_norm2``) as a :class:`LayerGraph`.
 
     Inputs: ``X[B, J, I]`` and, unless ``config.mask == "none"``, the additive key mask ``mask[B, K]``.
     Output: ``Y[B, J, I]``. Operators follow DESIGN.md section 3; a dropout with p = 0 is left out.
@@ -321,7 +331,7 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
     has_mask = config.mask != "none"
     if has_mask:
         g.tensor("mask", "BK", "input")
-    for name, dims in PARAMETERS.items():
+    for name, dims in parameters(config).items():
         g.tensor(name, dims, "param")
     g.tensor("Y", "BJI", "output")
     post = config.layer_norm == "post"
@@ -334,13 +344,18 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
         g.op(name, "dropout", "EW", {"x": src}, {"y": f"{dst}[{dims}]"}, p=p, stream=stream, rng_dims=rng_dims)
         return dst
 
-    def layer_norm(name: str, src: str, dst: str, gamma: str, beta: str) -> str:
-        g.op(name, "layer_norm", "SN", {"x": src, "gamma": gamma, "beta": beta},
-             {"y": f"{dst}[BJI]", "mean": f"{name}_mean[BJ]", "rstd": f"{name}_rstd[BJ]"},
-             axis="I", eps=config.layer_norm_eps)
+    def normalize(name: str, src: str, dst: str, norm: str) -> str:
+        # ``norm`` prefixes the parameters (norm1, norm2); the operator name is the same for either norm_type.
+        if config.norm_type == "rms_norm":
+            g.op(name, "rms_norm", "SN", {"x": src, "gamma": f"{norm}_weight"},
+                 {"y": f"{dst}[BJI]", "rstd": f"{name}_rstd[BJ]"}, axis="I", eps=config.layer_norm_eps)
+        else:
+            g.op(name, "layer_norm", "SN", {"x": src, "gamma": f"{norm}_weight", "beta": f"{norm}_bias"},
+                 {"y": f"{dst}[BJI]", "mean": f"{name}_mean[BJ]", "rstd": f"{name}_rstd[BJ]"},
+                 axis="I", eps=config.layer_norm_eps)
         return dst
 
-    attn_in = "X" if post else layer_norm("layer_norm1", "X", "X_norm1", "norm1_weight", "norm1_bias")
+    attn_in = "X" if post else normalize("layer_norm1", "X", "X_norm1", "norm1")
     g.op("qkv", "contraction", "TC", {"x": attn_in, "w": "in_proj_weight"}, {"y": "QKV_raw[BJTHP]"})
     g.op("input_bias", "bias", "EW", {"x": "QKV_raw", "b": "in_proj_bias"}, {"y": "QKV[BJTHP]"})
     g.op("scores", "contraction", "TC", {"q": "QKV[BJ0HP]", "k": "QKV[BK1HP]"}, {"y": "S[BHJK]"},
@@ -357,10 +372,10 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
     out = dropout("out_dropout", "O", "O_drop", "BJI")
     g.op("residual1", "add", "EW", {"a": out, "b": "X"}, {"y": "R1[BJI]"})
     if post:
-        ffn_in = residual = layer_norm("layer_norm1", "R1", "N1", "norm1_weight", "norm1_bias")
+        ffn_in = residual = normalize("layer_norm1", "R1", "N1", "norm1")
     else:
         residual = "R1"
-        ffn_in = layer_norm("layer_norm2", "R1", "N2", "norm2_weight", "norm2_bias")
+        ffn_in = normalize("layer_norm2", "R1", "N2", "norm2")
     g.op("linear1", "contraction", "TC", {"x": ffn_in, "w": "linear1_weight"}, {"y": "F1_raw[BJU]"})
     g.op("linear1_bias", "bias", "EW", {"x": "F1_raw", "b": "linear1_bias"}, {"y": "F1[BJU]"})
     g.op("activation", "activation", "EW", {"x": "F1"}, {"y": "F1_act[BJU]"}, function=config.activation)
@@ -370,7 +385,7 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
     ffn_out = dropout("ffn_dropout", "F2", "F2_drop", "BJI")
     if post:
         g.op("residual2", "add", "EW", {"a": ffn_out, "b": residual}, {"y": "R2[BJI]"})
-        layer_norm("layer_norm2", "R2", "Y", "norm2_weight", "norm2_bias")
+        normalize("layer_norm2", "R2", "Y", "norm2")
     else:
         g.op("residual2", "add", "EW", {"a": ffn_out, "b": residual}, {"y": "Y"})
     return g.finish()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
-from .graph import LayerGraph, access_letters
+from .graph import LayerGraph, access_letters, parameters
 from .ops import op_kind
 
 __all__ = ["ReferenceEncoderLayer", "init_parameters", "run_graph"]
@@ -27,13 +27,14 @@ def init_parameters(module: nn.Module, config: EncoderConfig, dtype: torch.dtype
     """Create the layer's parameters on ``module`` with PyTorch's default initialisation.
 
     Linear weights and biases as ``nn.Linear`` (Kaiming-uniform, a = sqrt(5)); ``in_proj_weight`` as
-    ``nn.MultiheadAttention`` (Xavier-uniform, zero bias); layer-norm weights 1, biases 0.
-    Shapes: in_proj_weight [3I, I], in_proj_bias [3I], out_proj_weight [I, I], out_proj_bias [I],
-    linear1_weight [U, I], linear1_bias [U], linear2_weight [I, U], linear2_bias [I],
-    norm{1,2}_{weight,bias} [I].
+    ``nn.MultiheadAttention`` (Xavier-uniform, zero bias); norm weights 1, biases 0. Registered in
+    :func:`substation.graph.parameters` order. Shapes: in_proj_weight [3I, I], in_proj_bias [3I],
+    out_proj_weight [I, I], out_proj_bias [I], linear1_weight [U, I], linear1_bias [U], linear2_weight
+    [I, U], linear2_bias [I], norm{1,2}_weight [I], norm{1,2}_bias [I] (``norm_type: layer_norm`` only).
     """
     dtype = dtype or _DTYPES[config.dtype]
     i, u = config.hidden_size, config.ffn_size
+    norm_biases = [n for n in ("norm1", "norm2") if f"{n}_bias" in parameters(config)]
 
     def p(*shape):
         return nn.Parameter(torch.empty(*shape, dtype=dtype))
@@ -43,7 +44,8 @@ def init_parameters(module: nn.Module, config: EncoderConfig, dtype: torch.dtype
     module.linear2_weight, module.linear2_bias = p(i, u), p(i)
     for n in ("norm1", "norm2"):
         setattr(module, f"{n}_weight", p(i))
-        setattr(module, f"{n}_bias", p(i))
+        if n in norm_biases:
+            setattr(module, f"{n}_bias", p(i))
     with torch.no_grad():
         nn.init.xavier_uniform_(module.in_proj_weight)
         module.in_proj_bias.zero_()
@@ -55,11 +57,13 @@ def init_parameters(module: nn.Module, config: EncoderConfig, dtype: torch.dtype
             nn.init.uniform_(b, -bound, bound)
         for n in ("norm1", "norm2"):
             getattr(module, f"{n}_weight").fill_(1.0)
-            getattr(module, f"{n}_bias").zero_()
+            if n in norm_biases:
+                getattr(module, f"{n}_bias").zero_()
 
 
 class ReferenceEncoderLayer(nn.Module):
-    """The encoder layer in PyTorch eager operations.
+    """The encoder layer in PyTorch eager operations (``F.layer_norm`` or, with ``norm_type: rms_norm``,
+    ``F.rms_norm``).
 
     ``forward(x[B, J, I], mask[B, K] | None)``: ``mask`` is additive (0 keeps a key, -inf or a large
     negative value masks it); a query whose keys are all masked with -inf gets zero attention
@@ -78,6 +82,8 @@ class ReferenceEncoderLayer(nn.Module):
         train = self.training
 
         def ln(t, n):
+            if c.norm_type == "rms_norm":
+                return F.rms_norm(t, (i,), getattr(self, f"{n}_weight"), c.layer_norm_eps)
             return F.layer_norm(t, (i,), getattr(self, f"{n}_weight"), getattr(self, f"{n}_bias"), c.layer_norm_eps)
 
         attn_in = x if c.layer_norm == "post" else ln(x, "norm1")

@@ -13,19 +13,25 @@ import torch
 from torch import nn
 
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig
-from .graph import PARAMETERS, LayerGraph, TensorInfo
+from .graph import LayerGraph, TensorInfo, parameters
 from .reference import init_parameters
 
 __all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "PARAMETER_NAMES", "TORCH_DTYPES", "check_mask", "key_mask",
-           "run_layer"]
+           "parameter_names", "run_layer"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: Every config dtype, including target cuda's half precisions (TORCH_DTYPES: the CPU's).
 ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-#: The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer).
-PARAMETER_NAMES = tuple(PARAMETERS)
+def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
+    """The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer;
+    ``norm_type: rms_norm`` has no ``norm1_bias`` / ``norm2_bias``): :func:`substation.graph.parameters`."""
+    return tuple(parameters(config))
+
+
+#: :func:`parameter_names` of a layer-norm layer (the default ``norm_type``).
+PARAMETER_NAMES = parameter_names(EncoderConfig())
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -87,7 +93,7 @@ class CompiledGraph:
         self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         self._ws.restype = ctypes.c_int64
         self.dtype = ALL_TORCH_DTYPES[graph.config.dtype]
-        #: dtype of each argument tensor (CUDA builds keep layer-norm statistics in float32).
+        #: dtype of each argument tensor (normalization statistics: float64 on the CPU, the compute type in CUDA).
         if self.target == "cpu":
             from .codegen import tensor_dtypes
         else:
@@ -258,7 +264,7 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
                    params: list[torch.Tensor], seed: torch.Tensor, training: bool) -> list[torch.Tensor]:
     compiled = _REGISTRY[key]
     b, j, _ = x.shape
-    given = {"X": x, **dict(zip(PARAMETER_NAMES, params))}
+    given = {"X": x, **dict(zip(parameter_names(compiled.config), params))}
     if compiled.config.mask != "none":
         m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
         given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
@@ -282,7 +288,7 @@ def _layer_backward(key: str, dy: torch.Tensor, saved: list[torch.Tensor], seed:
     given = dict(zip(compiled.saved_names, saved))
     given["dY"] = dy
     grads = compiled.backward(given, b, j, int(seed.item()), training)
-    return [grads["dX"]] + [grads[f"d{n}"] for n in PARAMETER_NAMES]
+    return [grads["dX"]] + [grads[f"d{n}"] for n in parameter_names(compiled.config)]
 
 
 @_layer_backward.register_fake
@@ -291,13 +297,13 @@ def _layer_backward_fake(key, dy, saved, seed, training):
     sizes = compiled.config.sizes(dy.shape[0], dy.shape[1])
     info = {t.name: t for t in compiled.backward.args}
     return [torch.empty_like(dy)] + [dy.new_empty(info[f"d{n}"].shape(sizes), dtype=compiled.backward.dtypes[f"d{n}"])
-                                     for n in PARAMETER_NAMES]
+                                     for n in parameter_names(compiled.config)]
 
 
 def _layer_setup_context(ctx, inputs, output):
     key, x, _, _, params, seed, training = inputs
     compiled = _REGISTRY[key]
-    env = {"X": x, **dict(zip(PARAMETER_NAMES, params)), **dict(zip(compiled.produced_names, output))}
+    env = {"X": x, **dict(zip(parameter_names(compiled.config), params)), **dict(zip(compiled.produced_names, output))}
     ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
     ctx.key, ctx.training = key, training
     ctx.shapes = (x.shape, [p.shape for p in params], x.dtype)
@@ -356,8 +362,8 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
 def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "list[torch.Tensor]",
               training: bool, attention_mask: torch.Tensor | None = None,
               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in :data:`PARAMETER_NAMES`
-    order, PyTorch's shapes) through the ``substation::layer_forward`` operator; differentiable in the
+    """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in :func:`parameter_names`
+    order for its config, PyTorch's shapes) through the ``substation::layer_forward`` operator; differentiable in the
     input and every parameter (the backward library runs in ``substation::layer_backward``).
 
     ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, ``[B, 1, 1, K]``
@@ -369,7 +375,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
         ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
-            sequence, parameters on the meta device (not yet loaded), or a bad mask (see :func:`check_mask`).
+            sequence, the wrong number of parameters, parameters on the meta device (not yet loaded), or a
+            bad mask (see :func:`check_mask`).
     """
     config = compiled.config
     x = hidden_states
@@ -392,7 +399,10 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
     if cast:
         params = [p.to(dtype) if p.dtype == torch.float32 else p for p in params]
-    for n, p in zip(PARAMETER_NAMES, params):
+    names = parameter_names(config)
+    if len(params) != len(names):
+        raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
+    for n, p in zip(names, params):
         if p.is_meta:
             raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
                              f"before running the layer")
@@ -453,7 +463,8 @@ class EncoderLayer(nn.Module):
     Parameters have the names and shapes of ``torch.nn.TransformerEncoderLayer``: ``in_proj_weight``
     [3I, I] (Q, K, V stacked), ``in_proj_bias`` [3I], ``out_proj_weight`` [I, I], ``out_proj_bias`` [I],
     ``linear1_weight`` [U, I], ``linear1_bias`` [U], ``linear2_weight`` [I, U], ``linear2_bias`` [I],
-    ``norm1_weight``, ``norm1_bias``, ``norm2_weight``, ``norm2_bias`` [I], all of the config's dtype.
+    ``norm1_weight``, ``norm1_bias``, ``norm2_weight``, ``norm2_bias`` [I] (``norm_type: rms_norm``: the
+    weights only), all of the config's dtype; :attr:`parameter_names` lists them in order.
 
     ``.double()`` / ``.float()`` / ``.to(dtype)`` switch to the build of that dtype (through the build
     cache); a dtype or device the target does not compile raises ``TypeError`` at that call.
@@ -461,8 +472,6 @@ class EncoderLayer(nn.Module):
 
     Build one with :func:`substation.compile`, :meth:`from_hf` or :meth:`from_torch`.
     """
-
-    parameter_names = PARAMETER_NAMES
 
     def __init__(self, compiled: CompiledLayer):
         super().__init__()
@@ -472,6 +481,11 @@ class EncoderLayer(nn.Module):
         init_parameters(self, self.config, self.torch_dtype)
         if compiled.forward.device_type == "cuda" and torch.cuda.is_available():
             self.to("cuda")  # CUDA layers keep their parameters on the (current) GPU
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """The layer's parameter names in the order the compiled code takes them (:func:`parameter_names`)."""
+        return parameter_names(self.config)
 
     def _apply(self, fn, recurse=True):
         dtype, device = apply_probe(fn)
@@ -517,7 +531,7 @@ class EncoderLayer(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return (f"I={c.hidden_size}, H={c.num_heads}, U={c.ffn_size}, activation={c.activation}, "
-                f"layer_norm={c.layer_norm}, dtype={c.dtype}, mask={c.mask}")
+                f"layer_norm={c.layer_norm}, norm_type={c.norm_type}, dtype={c.dtype}, mask={c.mask}")
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -538,7 +552,7 @@ class EncoderLayer(nn.Module):
         Raises:
             TypeError, ValueError: see :func:`run_layer`.
         """
-        return run_layer(self.compiled, hidden_states, [getattr(self, n) for n in PARAMETER_NAMES], self.training,
+        return run_layer(self.compiled, hidden_states, [getattr(self, n) for n in self.parameter_names], self.training,
                          attention_mask, key_padding_mask)
 
 

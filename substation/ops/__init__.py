@@ -3,9 +3,11 @@ builder, autodiff, fusion, analysis, the reference interpreter and both code gen
 :func:`op_kind` instead of switching on kind names.
 
 Kinds: contraction (TC); bias, add, mask, dropout, activation, activation_grad, transpose (EW);
-softmax, softmax_grad, layer_norm, layer_norm_grad, layer_norm_param_grad, bias_grad (SN).
+softmax, softmax_grad, layer_norm, layer_norm_grad, layer_norm_param_grad, rms_norm, rms_norm_grad,
+rms_norm_param_grad, bias_grad (SN).
 """
-from . import activation, add, bias, contraction, dropout, layer_norm, mask, softmax, transpose  # noqa: F401 (register)
+from . import (activation, add, bias, contraction, dropout, layer_norm, mask, rms_norm, softmax,  # noqa: F401 (register)
+               transpose)
 from .kind import KINDS, OpKind, op_kind
 
 __all__ = ["KINDS", "OpKind", "op_kind"]

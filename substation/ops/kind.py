@@ -45,7 +45,8 @@ class OpKind:
         reduction: ``row`` (over the normalized axis ``attrs["axis"]``), ``column`` (over the row
             letters, into the output's letters) or None.
         letter: the kind's letters in fused-kernel names (the paper's style: B bias, D dropout, ...).
-        statistics: connectors holding per-row layer-norm statistics (kept in a wider type).
+        statistics: connectors holding per-row normalization statistics (layer norm's mean and rstd,
+            RMSNorm's rstd), kept in a wider type: double on the CPU, the compute type in CUDA.
     """
 
     name: str
