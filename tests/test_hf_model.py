@@ -565,3 +565,10 @@ def test_optimize_twice_and_a_layer_under_two_names():
     optimize(shared)
     assert shared.encoder.layer[0] is shared.encoder.layer[1]
     assert isinstance(shared.encoder.layer[1], SubstationLayer)
+
+
+def test_an_override_that_changes_the_math_is_refused():
+    model = BertModel(BertConfig(**TEXT))
+    with pytest.raises(ValueError, match="norm_type='rms_norm' cannot override a BERT layer"):
+        optimize(model, norm_type="rms_norm")
+    assert not any(isinstance(m, SubstationLayer) for m in model.modules())

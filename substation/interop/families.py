@@ -328,7 +328,7 @@ def layer_config(layer: nn.Module, family: Family | None = None, **config_overri
     Raises:
         NotConvertible: a layer whose math Substation does not implement (the one-line reason says why),
             or not a layer of a supported family.
-        ConfigError: an invalid override.
+        ConfigError: an invalid override. ValueError: an override of ``norm_type`` (the weights are LayerNorm's).
     """
     family = family or family_of(layer)
     if family is None:
@@ -337,4 +337,8 @@ def layer_config(layer: nn.Module, family: Family | None = None, **config_overri
     dtype, target = _weights_dtype_and_target(layer)
     base = EncoderConfig(batch_size=1, max_seq_len=_max_positions(layer) or 512, layer_norm=family.layer_norm,
                          dtype=dtype, mask="padding", target=target, name="hf-layer", **fields)
-    return base.replace(**config_overrides)
+    config = base.replace(**config_overrides)
+    if config.norm_type != base.norm_type:
+        raise ValueError(f"norm_type={config.norm_type!r} cannot override a {family.name} layer: its weights are "
+                         f"those of {base.norm_type} (the compiled layer would read parameters the model does not have)")
+    return config
