@@ -22,6 +22,8 @@ __all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "PARAMETER_NAMES", 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: Every config dtype, including target cuda's half precisions (TORCH_DTYPES: the CPU's).
 ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: torch dtype -> config dtype name.
+DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
 
 
 def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
@@ -435,7 +437,7 @@ def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.devic
         TypeError: a dtype or device the config's target does not compile (the message names what does).
     """
     config = compiled.config
-    names = {v: k for k, v in ALL_TORCH_DTYPES.items()}
+    names = DTYPE_NAMES
     allowed = CUDA_DTYPES if config.target == "cuda" else DTYPES
     runs_on = compiled.forward.device_type
     if device.type != runs_on:
@@ -451,10 +453,16 @@ def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.devic
     return cached_compile(config.replace(dtype=names[dtype]), **compiled.options)
 
 
-def apply_probe(fn) -> tuple[torch.dtype, torch.device]:
-    """What ``nn.Module._apply``'s ``fn`` does to a float32 CPU parameter: its (dtype, device) after."""
+def build_after_apply(compiled: CompiledLayer, fn) -> CompiledLayer:
+    """The build a layer needs after ``nn.Module._apply(fn)`` (``.to()``, ``.double()``, ...): ``fn`` is
+    probed on a float32 CPU tensor and :func:`rebuild_for` picks the build of the resulting dtype and
+    device, raising before any parameter is converted.
+
+    Raises:
+        TypeError: as :func:`rebuild_for`.
+    """
     probe = fn(torch.zeros(1))
-    return probe.dtype, probe.device
+    return rebuild_for(compiled, probe.dtype, probe.device) if probe.dtype.is_floating_point else compiled
 
 
 class EncoderLayer(nn.Module):
@@ -488,10 +496,7 @@ class EncoderLayer(nn.Module):
         return parameter_names(self.config)
 
     def _apply(self, fn, recurse=True):
-        dtype, device = apply_probe(fn)
-        compiled = self.compiled
-        if dtype.is_floating_point:
-            compiled = rebuild_for(self.compiled, dtype, device)
+        compiled = build_after_apply(self.compiled, fn)
         out = super()._apply(fn, recurse)
         self.compiled, self.config, self.torch_dtype = compiled, compiled.config, compiled.forward.dtype
         return out

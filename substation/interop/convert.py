@@ -14,8 +14,8 @@ from torch import nn
 
 from ..config import DTYPES, DropoutConfig, EncoderConfig
 from ..pipeline import cached_compile
-from ..runtime import PARAMETER_NAMES, EncoderLayer
-from .families import DTYPE_NAMES, NotConvertible, activation_name, family_of, layer_config
+from ..runtime import DTYPE_NAMES, PARAMETER_NAMES, EncoderLayer
+from .families import NotConvertible, activation_name, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
 
 __all__ = ["OptimizeSummary", "drop_in", "from_hf", "from_torch", "layer_config", "optimize"]

@@ -21,9 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import CUDA_DTYPES, DTYPES, DropoutConfig, EncoderConfig
-from ..runtime import ALL_TORCH_DTYPES, PARAMETER_NAMES
-
-DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
+from ..runtime import DTYPE_NAMES, PARAMETER_NAMES
 
 __all__ = ["FAMILIES", "Family", "NotConvertible", "activation_name", "family_of", "layer_config"]
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..pipeline import cached_compile
-from ..runtime import CompiledLayer, apply_probe, compiled_from_state, compiled_state, rebuild_for, run_layer
+from ..runtime import CompiledLayer, build_after_apply, compiled_from_state, compiled_state, run_layer
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -137,14 +137,14 @@ class SubstationLayer:
                 warnings.warn(f"{type(self).__name__}: {reason}; running the Hugging Face forward for this call",
                               stacklevel=2)
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \
+                and not torch.compiler.is_compiling():
+            attention_mask = attention_mask[:, :, :1, :]  # rows found equal above: the operator need not look again
         return run_layer(self.substation_compiled, hidden_states, self.substation_family.tensors(self),
                          self.training, attention_mask=attention_mask)
 
     def _apply(self, fn, recurse=True):
-        dtype, device = apply_probe(fn)
-        compiled = self.substation_compiled
-        if dtype.is_floating_point:
-            compiled = rebuild_for(compiled, dtype, device)  # raises before anything is converted
+        compiled = build_after_apply(self.substation_compiled, fn)  # raises before anything is converted
         out = super()._apply(fn, recurse)
         self.substation_compiled = compiled
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph import access_letters
 from .kind import OpKind, align, elementwise_flop, register
 
 
@@ -14,7 +15,7 @@ def _mask_vjp(d, op, ins, outs, dy, y_acc):
 def _mask_cpu(k, m, attrs):
     expr = "v_x + v_m"
     if attrs.get("causal"):
-        letters = [c for c in m["outputs"]["y"][1] if not c.isdigit()]
+        letters = access_letters(m["outputs"]["y"][1])
         expr = f"(i_{letters[-1]} > i_{letters[-2]}) ? ({k.T})(-INFINITY) : ({expr})"
     k.ew(m, expr)
 
@@ -22,7 +23,7 @@ def _mask_cpu(k, m, attrs):
 def _mask_cuda(k, m, attrs):
     expr = "{x} + {m}"
     if attrs.get("causal"):
-        letters = [c for c in m["outputs"]["y"][1] if not c.isdigit()]
+        letters = access_letters(m["outputs"]["y"][1])
         expr = f"({k.lane_of(letters[-1])} > {k.lane_of(letters[-2])}) ? (comp_t)(-INFINITY) : ({expr})"
     k.ew(m, expr)
 
