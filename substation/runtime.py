@@ -1,5 +1,6 @@
-"""The PyTorch binding: compiled forward/backward libraries behind ``torch.autograd.Function`` and
-:class:`EncoderLayer`, an ``nn.Module`` with PyTorch's parameter shapes."""
+"""The PyTorch binding: compiled forward/backward libraries behind the ``substation::layer_forward`` /
+``layer_backward`` custom operators and :class:`EncoderLayer`, an ``nn.Module`` with PyTorch's parameter
+shapes."""
 from __future__ import annotations
 
 import copy
