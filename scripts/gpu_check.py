@@ -46,7 +46,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 #: Hidden --dry-run-cpu mode (development only): the same flow on the CPU with the emulated CUDA
-#: code (substation.build_cuda emulate=True) and tiny layers in place of BERT-large.
+#: code (substation.backends.cuda.build emulate=True) and tiny layers in place of BERT-large.
 DRY_RUN = os.environ.get("SUBSTATION_GPU_CHECK_DRY_RUN") == "1"
 DEVICE = "cpu" if DRY_RUN else "cuda"
 NO_DROPOUT = {"attention": 0.0, "hidden": 0.0, "activation": 0.0}
@@ -81,8 +81,8 @@ def configs() -> dict:
 def compiled_layer(name: str):
     """The CompiledLayer of config ``name`` (from the build cache after the build stage)."""
     if DRY_RUN:
-        from substation.build_cuda import build_cuda_libraries
-        from substation.codegen_cuda import generate_cuda
+        from substation.backends.cuda.build import build_cuda_libraries
+        from substation.backends.cuda.codegen import generate_cuda
         from substation.pipeline import compile_graphs
         from substation.runtime import CompiledGraph, CompiledLayer
         cfg = configs()[name]
@@ -136,7 +136,7 @@ def environment() -> dict:
         env["substation_error"] = (f"{type(e).__name__}: {e} -- install DaCe and the package's dependencies "
                                    "(docs/cuda.md, 'Prerequisites')")
     try:
-        from substation.build_cuda import cuda_toolchain
+        from substation.backends.cuda.build import cuda_toolchain
         tc = cuda_toolchain()
         env["nvcc"] = {"path": tc.nvcc, "version": tc.nvcc_version}
         env["cublas"] = {"include": tc.cublas_include, "library": tc.cublas_lib, "version": tc.cublas_version}
@@ -148,7 +148,7 @@ def environment() -> dict:
 
 # -- stage 2: builds -------------------------------------------------------------------------------
 def build_all(jobs: int) -> dict:
-    from substation.codegen_cuda import generate_cuda
+    from substation.backends.cuda.codegen import generate_cuda
     from substation.pipeline import compile_graphs
     t0 = time.perf_counter()
     sources, res = {}, {}
@@ -163,7 +163,7 @@ def build_all(jobs: int) -> dict:
     # One build at a time per failure domain: a broken source must not hide the others' results.
     from concurrent.futures import ThreadPoolExecutor
 
-    from substation.build_cuda import build_cuda_library
+    from substation.backends.cuda.build import build_cuda_library
     t1 = time.perf_counter()
 
     def one(item):
@@ -266,7 +266,7 @@ def check_dropout(name: str, b: int, j: int, seed: int = 0x0123456789ABCDEF) -> 
     import torch
 
     from substation.ops.dropout import dropout_keep_mask
-    from substation.graph import DROPOUT_SITES
+    from substation.ir.graph import DROPOUT_SITES
     from substation.runtime import EncoderLayer
     compiled = compiled_layer(name)
     cfg = compiled.config

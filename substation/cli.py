@@ -106,7 +106,7 @@ def cmd_compile(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .bench import Candidate, interleaved_times
+    from .perf.bench import Candidate, interleaved_times
     from .config import load_config
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
@@ -209,7 +209,7 @@ def cmd_graphs(args) -> int:
 
 def cmd_report(args) -> int:
     """``substation report``: flop and data-movement analysis of a config's graphs (see docs/analysis.md)."""
-    from .analysis import analyze, format_kernels, format_report, measure, plot_report, write_json
+    from .perf.analysis import analyze, format_kernels, format_report, measure, plot_report, write_json
 
     if args.kernels:
         extra = [flag for flag, on in (("--optimized", args.optimized), ("--measure", args.measure),
@@ -241,7 +241,7 @@ def cmd_report(args) -> int:
 
 def cmd_bench(args) -> int:
     """``substation bench``: Substation vs PyTorch eager vs torch.compile, or ``--kernels`` (docs/performance.md)."""
-    from . import bench
+    from .perf import bench
 
     if args.repeats < 1 or args.warmup < 0:
         print(f"substation: error: need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}",
@@ -265,7 +265,8 @@ def cmd_bench(args) -> int:
 def cmd_bench_model(args) -> int:
     """``substation bench-model``: a whole training step of a Hugging Face BERT with and without
     ``substation.optimize``, eager and under torch.compile (docs/performance.md)."""
-    from . import bench, bench_model
+    from .perf import bench
+    from .perf import bench_model
 
     for flag, value, least in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1),
                                ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
@@ -306,7 +307,7 @@ def _write_outputs(args, result, write_json, plot) -> int:
 def cmd_tune(args) -> int:
     """``substation tune``: measure layout candidates on this machine and write a plan (docs/layouts.md)."""
     from .config import load_config
-    from .tune import tune
+    from .perf.tune import tune
 
     config = load_config(args.config)
     if args.target != config.target:
@@ -330,7 +331,7 @@ def cmd_tune(args) -> int:
 def cmd_compare_layouts(args) -> int:
     """``substation bench CONFIG --compare-layouts``: default vs tuned layouts, interleaved, one process."""
     from .config import load_config
-    from .tune import compare_layouts
+    from .perf.tune import compare_layouts
 
     config = load_config(args.config)
     plan = args.layout or config.name
@@ -442,8 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of the ``substation`` command. Returns the exit status."""
-    from .build import BuildError, ToolchainError
-    from .codegen import LayoutError
+    from .backends.cpu.build import BuildError, ToolchainError
+    from .backends.cpu.codegen import LayoutError
     from .config import ConfigError
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)

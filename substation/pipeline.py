@@ -4,7 +4,7 @@ Each pass (DaCe's ``Pass`` / ``Pipeline`` contract in ``dace/transformation/pass
 model) has a name, says which artifacts it needs and which it changes, and runs on a
 :class:`PipelineState`; :class:`PipelineOptions` are typed and serializable, so a recipe can be saved
 and replayed. The graphs are validated after every pass that changes them (``sdfg.validate()`` and
-:meth:`~substation.graph.LayerGraph.check`). :data:`PASSES` is the single list the API, the CLI and its
+:meth:`~substation.ir.graph.LayerGraph.check`). :data:`PASSES` is the single list the API, the CLI and its
 progress bar, and the tests use.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 import threading
 from typing import Any, Callable, Mapping
 
-from .autodiff import build_backward
-from .build import build_libraries
-from .codegen import generate_cpu
+from .passes.autodiff import build_backward
+from .backends.cpu.build import build_libraries
+from .backends.cpu.codegen import generate_cpu
 from .config import EncoderConfig, load_config
-from .graph import LayerGraph, build_forward
+from .ir.graph import LayerGraph, build_forward
 from .passes import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, load_plan
 from .runtime import CompiledGraph, CompiledLayer
@@ -81,7 +81,7 @@ class PipelineState:
 
     Attributes:
         config: the encoder config. options: the run's options.
-        forward, backward: the :class:`~substation.graph.LayerGraph` pair (SDFGs inside).
+        forward, backward: the :class:`~substation.ir.graph.LayerGraph` pair (SDFGs inside).
         sources: generated source of each graph (``forward``/``backward``).
         built: the build results (library paths, build seconds).
         compiled: the loaded :class:`~substation.runtime.CompiledLayer`.
@@ -135,7 +135,7 @@ def _layout(state: PipelineState) -> None:
 
 def _codegen(state: PipelineState) -> None:
     if state.config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
-        from .codegen_cuda import generate_cuda
+        from .backends.cuda.codegen import generate_cuda
         if state.options.instrument:
             raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
         state.sources = {"forward": generate_cuda(state.forward), "backward": generate_cuda(state.backward)}
@@ -146,7 +146,7 @@ def _codegen(state: PipelineState) -> None:
 
 def _build(state: PipelineState) -> None:
     if state.config.target == "cuda":
-        from .build_cuda import build_cuda_libraries
+        from .backends.cuda.build import build_cuda_libraries
         state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
     else:
         state.built = build_libraries(state.sources)
@@ -224,7 +224,7 @@ class Pipeline:
 
 
 def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None):
-    """The (forward, backward) :class:`~substation.graph.LayerGraph` pair after the passes up to
+    """The (forward, backward) :class:`~substation.ir.graph.LayerGraph` pair after the passes up to
     ``layout`` (fusion with ``fuse_ops``; ``layout`` as :class:`PipelineOptions`)."""
     state = Pipeline().run(config, PipelineOptions(fuse=fuse_ops, layout=layout), until="layout")
     return state.forward, state.backward

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
-from .graph import LayerGraph, access_letters, parameters
+from .ir.graph import LayerGraph, access_letters, parameters
 from .ops import op_kind
 
 __all__ = ["ReferenceEncoderLayer", "init_parameters", "run_graph"]
@@ -28,7 +28,7 @@ def init_parameters(module: nn.Module, config: EncoderConfig, dtype: torch.dtype
 
     Linear weights and biases as ``nn.Linear`` (Kaiming-uniform, a = sqrt(5)); ``in_proj_weight`` as
     ``nn.MultiheadAttention`` (Xavier-uniform, zero bias); norm weights 1, biases 0. Registered in
-    :func:`substation.graph.parameters` order. Shapes: in_proj_weight [3I, I], in_proj_bias [3I],
+    :func:`substation.ir.graph.parameters` order. Shapes: in_proj_weight [3I, I], in_proj_bias [3I],
     out_proj_weight [I, I], out_proj_bias [I], linear1_weight [U, I], linear1_bias [U], linear2_weight
     [I, U], linear2_bias [I], norm{1,2}_weight [I], norm{1,2}_bias [I] (``norm_type: layer_norm`` only).
     """
@@ -122,7 +122,7 @@ def run_graph(graph: LayerGraph, given: dict, seed: int = 0, training: bool = Fa
     semantics (:attr:`substation.ops.kind.OpKind.reference`), in the dtype of the given tensors.
 
     Args:
-        graph: a forward or backward :class:`~substation.graph.LayerGraph`.
+        graph: a forward or backward :class:`~substation.ir.graph.LayerGraph`.
         given: every input, parameter and (backward) saved tensor by name, in its logical dims
             (``TensorInfo.dims``: ``X`` [B, J, I], ``in_proj_weight`` as [T, H, P, I], ...).
         seed, training: dropout as in the compiled code (the same Philox masks); eval mode is the identity.

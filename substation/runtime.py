@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig
-from .graph import LayerGraph, TensorInfo, parameters
+from .ir.graph import LayerGraph, TensorInfo, parameters
 from .reference import init_parameters
 
 __all__ = ["CompiledGraph", "CompiledLayer", "EncoderLayer", "PARAMETER_NAMES", "TORCH_DTYPES", "check_mask", "key_mask",
@@ -29,7 +29,7 @@ DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
 
 def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
     """The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer;
-    ``norm_type: rms_norm`` has no ``norm1_bias`` / ``norm2_bias``): :func:`substation.graph.parameters`."""
+    ``norm_type: rms_norm`` has no ``norm1_bias`` / ``norm2_bias``): :func:`substation.ir.graph.parameters`."""
     return tuple(parameters(config))
 
 
@@ -98,9 +98,9 @@ class CompiledGraph:
         self.dtype = ALL_TORCH_DTYPES[graph.config.dtype]
         #: dtype of each argument tensor (normalization statistics: float64 on the CPU, the compute type in CUDA).
         if self.target == "cpu":
-            from .codegen import tensor_dtypes
+            from .backends.cpu.codegen import tensor_dtypes
         else:
-            from .codegen_cuda import tensor_dtypes
+            from .backends.cuda.codegen import tensor_dtypes
         dtypes = tensor_dtypes(graph)
         self.dtypes = {t.name: ALL_TORCH_DTYPES[dtypes[t.name]] for t in self.args}
         # Temporaries live only during a call: one workspace is reused (fresh pages would fault

@@ -63,8 +63,8 @@ def additive(pad, dtype=torch.float64, value=float("-inf")):
 def fresh_toolchain(monkeypatch, tmp_path):
     """Builds go to a private cache (``tmp_path / "cache"``) and the detected C++ and CUDA toolchains
     are forgotten before and after the test; yields ``monkeypatch`` (undone before the caches clear)."""
-    from substation.build import toolchain
-    from substation.build_cuda import cuda_toolchain
+    from substation.backends.cpu.build import toolchain
+    from substation.backends.cuda.build import cuda_toolchain
 
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
     toolchain.cache_clear()

@@ -8,11 +8,12 @@ import dace
 import pytest
 import sympy
 
-from substation import analysis, pipeline
-from substation.analysis import analyze, count_graph, kind_flop
+from substation import pipeline
+from substation.perf import analysis
+from substation.perf.analysis import analyze, count_graph, kind_flop
 from substation.cli import main
 from substation.config import load_config
-from substation.graph import GraphBuilder
+from substation.ir.graph import GraphBuilder
 
 
 @pytest.fixture(autouse=True, scope="module")

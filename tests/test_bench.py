@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from substation import bench
+from substation.perf import bench
 from substation.cli import main
 from substation.config import load_config
 
@@ -60,7 +60,7 @@ def check_bench_json(r, impls, repeats, b, j):
 
 def check_limit(lim, cfg, measured):
     """The limit is the analysis' counts at the rates measured in the same run."""
-    from substation.analysis import analyze
+    from substation.perf.analysis import analyze
 
     an = analyze(cfg, optimized=True)
     assert set(lim) == LIMIT_KEYS
@@ -81,7 +81,7 @@ def check_limit(lim, cfg, measured):
 def test_machine_probes():
     """The GEMM probe does the flop it claims (it is never above the FMA peak by more than noise) and
     bad arguments are rejected by name."""
-    from substation.analysis import fma_peak, gemm_rate
+    from substation.perf.analysis import fma_peak, gemm_rate
 
     for dtype in ("float32", "float64"):
         peak, rate = fma_peak(dtype), gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)])

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from substation import bench_model
+from substation.perf import bench_model
 from substation.cli import main
 
 B, L, ROUNDS = 2, 16, 2

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from substation import build
-from substation.build import BuildError, build_library
+from substation.backends.cpu import build
+from substation.backends.cpu.build import BuildError, build_library
 
 SOURCE = textwrap.dedent("""
     #include "substation_cpu.h"
@@ -63,7 +63,7 @@ def test_interrupted_build_leaves_nothing_loadable(cache):
 def test_two_processes_build_the_same_source(cache):
     code = textwrap.dedent(f"""
         import sys
-        from substation.build import build_library
+        from substation.backends.cpu.build import build_library
         print(build_library({SOURCE % 5!r}, "race").path)
     """)
     env = dict(os.environ, SUBSTATION_CACHE_DIR=str(cache))

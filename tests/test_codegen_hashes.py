@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 
-from substation.codegen import generate_cpu
-from substation.codegen_cuda import generate_cuda
+from substation.backends.cpu.codegen import generate_cpu
+from substation.backends.cuda.codegen import generate_cuda
 from substation.config import load_config
 from substation.pipeline import compile_graphs
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import NO_DROPOUT, make_layer, reference_for
-from substation import build_cuda
-from substation.build import BuildError, ToolchainError
-from substation.build_cuda import build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags
-from substation.codegen_cuda import generate_cuda, stat_tensors, tensor_dtypes
+from substation.backends.cuda import build as build_cuda
+from substation.backends.cpu.build import BuildError, ToolchainError
+from substation.backends.cuda.build import build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags
+from substation.backends.cuda.codegen import generate_cuda, stat_tensors, tensor_dtypes
 from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer

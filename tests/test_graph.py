@@ -4,8 +4,8 @@ import re
 import dace
 import pytest
 
-from substation.codegen import generate_cpu
-from substation.graph import Operator
+from substation.backends.cpu.codegen import generate_cpu
+from substation.ir.graph import Operator
 from substation.pipeline import compile_graphs
 
 FORWARD_POST = [("qkv", "TC"), ("input_bias", "EW"), ("scores", "TC"), ("mask", "EW"), ("softmax", "SN"),

@@ -11,7 +11,7 @@ import torch
 
 import substation
 from conftest import NO_DROPOUT, reference_for
-from substation.codegen import LayoutError, _resolve, plan_contraction
+from substation.backends.cpu.codegen import LayoutError, _resolve, plan_contraction
 from substation.config import load_config
 from substation.passes import layout as L
 from substation.pipeline import compile_graphs, compile_layer
@@ -225,7 +225,7 @@ def test_plan_round_trip(tmp_path, tiny_graphs):
 
 
 def test_bundled_plans_apply():
-    from substation.codegen import generate_cpu
+    from substation.backends.cpu.codegen import generate_cpu
     for name, config in (("default", "tiny"), ("bert-base", "bert-base")):
         plan = L.load_plan(os.path.join(CONFIGS, f"{name}.plan.json"))
         fwd, bwd = compile_graphs(load_config(config), fuse_ops=True, layout=plan)
@@ -273,7 +273,7 @@ def test_non_default_plan_matches_fp64_reference(tiny_graphs):
 
 # -- tuning ----------------------------------------------------------------------------------------
 def test_measurements_are_cached_and_resumable(tmp_path, tiny_graphs):
-    from substation import tune as T
+    from substation.perf import tune as T
     config = load_config("tiny").replace(dropout=NO_DROPOUT)
     fwd, _ = tiny_graphs
     problem = L.build_problem(*tiny_graphs)

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from conftest import NO_DROPOUT, additive, make_layer, reference_for, rel, run
 from test_cuda import TOLERANCE, emulated_layer, errors_vs_reference, needs_emulation
-from substation.analysis import analyze
-from substation.codegen import stat_tensors, tensor_dtypes
+from substation.perf.analysis import analyze
+from substation.backends.cpu.codegen import stat_tensors, tensor_dtypes
 from substation.config import ConfigError, EncoderConfig, load_config
-from substation.graph import parameters
+from substation.ir.graph import parameters
 from substation.passes.fusion import kernel_name
 from substation.pipeline import compile_graphs
 from substation.reference import run_graph

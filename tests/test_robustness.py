@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import substation
 from conftest import NO_DROPOUT, additive, make_layer, reference_for, rel, run
-from substation.build import BuildError, ToolchainError, toolchain
+from substation.backends.cpu.build import BuildError, ToolchainError, toolchain
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_layer
 from substation.reference import ReferenceEncoderLayer
@@ -584,7 +584,7 @@ def test_corrupted_cache_entry_is_detected_and_rebuilt(raced_cache, tmp_path, mo
     assert compiled.build_seconds["forward"] > 0 and compiled.build_seconds["backward"] == 0.0
     assert compiled.forward.path == str(lib)
     manifest = json.loads((cache / labels["forward"] / "manifest.json").read_text())
-    from substation.build import _sha256
+    from substation.backends.cpu.build import _sha256
     assert manifest["sha256"] == _sha256(str(lib))
     assert entries(cache) == sorted(labels.values())
     layer = substation.EncoderLayer(compiled)

@@ -175,7 +175,7 @@ def test_random_row_matches_random_bits(tmp_path, monkeypatch):
     kept fraction is 1 - threshold / 2^16."""
     import ctypes
 
-    from substation.build import build_library
+    from substation.backends.cpu.build import build_library
     from substation.ops.dropout import dropout_constants
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
     src = """
@@ -219,7 +219,7 @@ def test_exp_shifted_row_matches_float64(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from substation.build import build_library
+    from substation.backends.cpu.build import build_library
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
     src = """
         #include "substation_cpu.h"
@@ -296,7 +296,7 @@ def test_gemm_small_matches_float64(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from substation.build import build_library
+    from substation.backends.cpu.build import build_library
     monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path))
     src = """
         #include "substation_cpu.h"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import access_letters
+from ..ir.graph import access_letters
 from .kind import OpKind, operand_access, register
 
 

@@ -28,7 +28,7 @@ def dropout_keep_mask(seed: int, stream: int, index, p: float):
 
     Args:
         seed: the 64-bit seed of the call; stream: the dropout site's stream id
-            (:data:`substation.graph.DROPOUT_SITES`); index: integer array of element indices (row-major
+            (:data:`substation.ir.graph.DROPOUT_SITES`); index: integer array of element indices (row-major
             over the site's ``rng_dims``, e.g. ``((b * H + h) * J + j) * K + k``); p: the probability.
 
     Returns:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..graph import access_letters
+from ..ir.graph import access_letters
 
 __all__ = ["OpKind", "KINDS", "register", "op_kind", "operand_access", "elements", "elementwise_flop", "align", "reduce_to"]
 

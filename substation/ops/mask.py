@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import access_letters
+from ..ir.graph import access_letters
 from .kind import OpKind, align, elementwise_flop, register
 
 

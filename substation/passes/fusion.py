@@ -24,7 +24,7 @@ import json
 
 import networkx as nx
 
-from ..graph import GraphBuilder, LayerGraph, access_letters
+from ..ir.graph import GraphBuilder, LayerGraph, access_letters
 from ..ops import op_kind
 
 __all__ = ["FusionOptions", "FuseOperators", "fuse", "op_space", "kernel_name"]

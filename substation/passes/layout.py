@@ -5,7 +5,7 @@ has stride 1; DESIGN.md section 5). This pass chooses the layouts of every tenso
 forward *and* backward graph together:
 
 * **Candidates.** A contraction (TC) can use a layout combination iff it maps to one strided-batched
-  GEMM call (what :func:`substation.codegen.plan_contraction` accepts): its index groups (rows ``m``,
+  GEMM call (what :func:`substation.backends.cpu.codegen.plan_contraction` accepts): its index groups (rows ``m``,
   columns ``n``, contracted ``k``; batch letters are free) are each dense and in the same order in
   every operand, and each operand has unit stride at the innermost letter of one of its two groups.
   Such a combination is described by a *GEMM mode* ``(m order, n order, k order, unit group of C,
@@ -17,7 +17,7 @@ forward *and* backward graph together:
   stride, up to a cache line per element at non-unit stride; a GEMM costs its flop at the machine's
   GEMM rate (slightly more when operands are transposed) plus a penalty for operands whose matrices
   are not contiguous; a transpose reads and writes its tensor once. ``substation tune`` replaces the
-  model by measurements for a short list (:mod:`substation.tune`).
+  model by measurements for a short list (:mod:`substation.perf.tune`).
 * **Exact solve** (:func:`solve`): a 0/1 integer program over the whole forward+backward graph,
   solved to optimality by HiGHS (``scipy.optimize.milp``). Variables: the stored layout of each
   tensor, the layout in which each operator accesses each operand, each operator's mode, and the
@@ -47,7 +47,7 @@ import time
 import warnings
 from typing import Callable, Iterable, Mapping
 
-from ..graph import GraphBuilder, LayerGraph, Operator, access_letters
+from ..ir.graph import GraphBuilder, LayerGraph, Operator, access_letters
 from ..resources import bundled_file
 
 __all__ = [
@@ -59,7 +59,7 @@ __all__ = [
 
 PLAN_FORMAT = "substation-layout-plan/1"
 
-from ..codegen import LayoutError  # noqa: E402  (re-exported: a contraction that needs a transpose)
+from ..backends.cpu.codegen import LayoutError  # noqa: E402  (re-exported: a contraction that needs a transpose)
 from ..files import atomic_write_text
 
 
@@ -276,7 +276,7 @@ def gemm_modes(c_access: str, a_access: str, b_access: str) -> list[dict]:
     """Every GEMM mapping of ``C[c_access] = A[a_access] x B[b_access]``: dicts with ``m``, ``n``, ``k``
     (letter orders, outermost first), ``batch`` and the unit-stride group of each operand (``uc`` in
     {m, n}, ``ua`` in {m, k}, ``ub`` in {n, k}) and the resulting BLAS flags (``swap``, ``trans_a``,
-    ``trans_b``, as :func:`substation.codegen.plan_contraction` derives them).
+    ``trans_b``, as :func:`substation.backends.cpu.codegen.plan_contraction` derives them).
 
     Raises:
         LayoutError: an empty index group or a letter in only one operand (no layout maps to a GEMM).
@@ -1144,7 +1144,7 @@ def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, Laye
             mask, parameters and their gradients must keep PyTorch's layouts).
         LayoutError: a contraction whose new layouts do not map to one GEMM.
     """
-    from ..codegen import _resolve, plan_contraction
+    from ..backends.cpu.codegen import _resolve, plan_contraction
     plan = load_plan(plan)
     if plan is None:
         return fwd, bwd

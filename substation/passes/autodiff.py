@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation of a forward :class:`~substation.graph.LayerGraph`.
+"""Reverse-mode differentiation of a forward :class:`~substation.ir.graph.LayerGraph`.
 
 The backward graph is derived operator by operator, in reverse topological order, from one
 vector-Jacobian rule per operator kind, so every encoder variant gets its backward pass without
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .graph import GraphBuilder, LayerGraph, parameters
-from .ops import op_kind
+from ..ir.graph import GraphBuilder, LayerGraph, parameters
+from ..ops import op_kind
 
 __all__ = ["build_backward"]
 

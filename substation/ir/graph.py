@@ -21,7 +21,7 @@ import networkx as nx
 import sympy
 from dace.properties import DictProperty, Property
 
-from .config import EncoderConfig
+from ..config import EncoderConfig
 
 __all__ = ["Operator", "TensorInfo", "LayerGraph", "GraphBuilder", "build_forward", "parameters", "DIMENSIONS",
            "access_letters"]

@@ -1,10 +1,10 @@
-"""CUDA code generation: one ``.cu`` translation unit per :class:`~substation.graph.LayerGraph`.
+"""CUDA code generation: one ``.cu`` translation unit per :class:`~substation.ir.graph.LayerGraph`.
 
 The same graphs as the CPU target (fused or not, any layout the graph carries) become:
 
 * **contractions** (TC): cuBLAS ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` with float32
   accumulation (``CUBLAS_COMPUTE_32F``) for float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for
-  float64). The mapping onto a row-major GEMM is :func:`substation.codegen.plan_contraction`'s, the
+  float64). The mapping onto a row-major GEMM is :func:`substation.backends.cpu.codegen.plan_contraction`'s, the
   one the CPU build uses; the row-major call is turned into cuBLAS's column-major one by swapping the
   operands. Batch letters whose strides merge become one strided batch; otherwise the largest batch
   group (chosen at run time, B and J being runtime sizes) is the strided batch and the others are
@@ -46,10 +46,10 @@ import re
 
 import sympy
 
-from .codegen import (LayoutError, _cxx, _records, _resolve, _size, linear_index, plan_contraction,
+from ..cpu.codegen import (LayoutError, _cxx, _records, _resolve, _size, linear_index, plan_contraction,
                       row_kernel_space, stat_tensors)
-from .graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
-from .ops import op_kind
+from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
+from ...ops import op_kind
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
 
@@ -66,7 +66,7 @@ def _symbol(dim: str):
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except normalization
-    statistics (:func:`~substation.codegen.stat_tensors`), which have the compute dtype (float32 for
+    statistics (:func:`~substation.backends.cpu.codegen.stat_tensors`), which have the compute dtype (float32 for
     float16/bfloat16 layers), so that backward recomputes normalized values from exact statistics."""
     dt = graph.config.dtype
     stats = stat_tensors(graph)
@@ -480,7 +480,7 @@ def generate_cuda(graph: LayerGraph) -> str:
     Tensors: every non-temporary tensor of ``graph`` is an argument, of the config's dtype
     (float32, float64, float16 or bfloat16) except normalization statistics ([B, J], compute dtype);
     H, P, I, U are compile-time constants, B, J, K runtime sizes. Compile with
-    :func:`substation.build_cuda.build_cuda_library`.
+    :func:`substation.backends.cuda.build.build_cuda_library`.
 
     Raises:
         LayoutError: a contraction's operand layouts need an explicit transpose.

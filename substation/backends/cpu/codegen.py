@@ -1,4 +1,4 @@
-"""C++ code generation for the CPU: one translation unit per :class:`~substation.graph.LayerGraph`.
+"""C++ code generation for the CPU: one translation unit per :class:`~substation.ir.graph.LayerGraph`.
 
 Each operator becomes one loop nest (EW), one row or column reduction kernel (SN) or one BLAS
 GEMM call, possibly in a batch loop (TC). Operand offsets come from the tensors' strides, so any
@@ -21,8 +21,8 @@ import dataclasses
 
 import sympy
 
-from .graph import STATIC_DIMENSIONS, LayerGraph, Operator, layout_strides
-from .ops import op_kind
+from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, layout_strides
+from ...ops import op_kind
 
 __all__ = ["LayoutError", "generate_cpu", "ContractionPlan", "plan_contraction"]
 
@@ -292,7 +292,7 @@ def row_kernel_space(graph: LayerGraph, members: list[dict], vector: str | None 
     and the row letters (outermost first), following the layout of its first full-width tensor in
     memory. Row and column reductions fix N; element-wise kernels take the trailing run of static
     letters; ``vector`` (a layout plan's vectorized letter) is moved innermost."""
-    from .passes.fusion import op_space
+    from ...passes.fusion import op_space
     spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
     full = spaces[0][0]
     inner = next((n for _, n in spaces if n is not None), None)

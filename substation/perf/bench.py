@@ -16,13 +16,13 @@ whole pipeline into an empty build cache, ``torch.compile``'s first forward and 
 empty inductor cache.
 
 :func:`kernel_table` (``substation bench --kernels``) times every memory-bound (SN/EW, fused) kernel
-of the instrumented build and relates its bytes (:func:`substation.analysis.operator_count`) to the
-copy bandwidth measured in the same run (:func:`substation.analysis.copy_bandwidth`).
+of the instrumented build and relates its bytes (:func:`substation.perf.analysis.operator_count`) to the
+copy bandwidth measured in the same run (:func:`substation.perf.analysis.copy_bandwidth`).
 
 Units everywhere: seconds, bytes, bytes/s; ratios are plain numbers. See docs/performance.md.
 """
 from __future__ import annotations
-from .files import atomic_write
+from ..files import atomic_write
 
 import contextlib
 import dataclasses
@@ -190,7 +190,7 @@ def eager_baseline(layer, attn_implementation: str = "sdpa"):
 
     Raises nothing beyond :func:`hf_bert_layer`'s construction errors.
     """
-    from .reference import ReferenceEncoderLayer
+    from ..reference import ReferenceEncoderLayer
 
     if _hf_eligible(layer.config):
         try:
@@ -344,7 +344,7 @@ def fresh_inductor_cache():
 
 def _cold_compile(config, layout=None):
     """(CompiledLayer, pipeline seconds) with an empty, temporary build cache."""
-    from .pipeline import compile_layer
+    from ..pipeline import compile_layer
     with tempfile.TemporaryDirectory(prefix="substation-bench-cache-") as tmp, _env("SUBSTATION_CACHE_DIR", tmp):
         t0 = time.perf_counter()
         compiled = compile_layer(config, layout=layout)
@@ -363,7 +363,7 @@ def sample_stats(samples: list[float]) -> dict:
 
 
 def _apply_overrides(config, batch_size: int | None, seq_len: int | None):
-    from .config import load_config
+    from ..config import load_config
     config = load_config(config)
     changes = {}
     if batch_size is not None:
@@ -413,7 +413,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     """
     import torch
 
-    from .runtime import EncoderLayer
+    from ..runtime import EncoderLayer
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -509,11 +509,11 @@ def time_limit(config, measured_seconds: dict | None = None) -> dict:
     contraction flop at the BLAS's GEMM rate plus the SN/EW kernels' required bytes at the copy bandwidth.
 
     ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
-    graphs' counts (:func:`substation.analysis.analyze`), :func:`~substation.analysis.gemm_rate` (the
+    graphs' counts (:func:`substation.perf.analysis.analyze`), :func:`~substation.perf.analysis.gemm_rate` (the
     linked BLAS's best over a 2048^3 GEMM and the feed-forward shapes [B L, U, I] and [B L, I, U]),
-    :func:`~substation.analysis.copy_bandwidth` (DRAM-sized buffers; kernels whose data stay in cache
+    :func:`~substation.perf.analysis.copy_bandwidth` (DRAM-sized buffers; kernels whose data stay in cache
     can beat it) and, as the hardware's ceiling for the contractions,
-    :func:`~substation.analysis.fma_peak` (``fma_limit_seconds`` puts the flop at that peak instead).
+    :func:`~substation.perf.analysis.fma_peak` (``fma_limit_seconds`` puts the flop at that peak instead).
     All on the current OpenMP thread count.
 
     Args:
@@ -565,9 +565,9 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
 
     Compiles ``config`` with per-operator timers (through the usual build cache), runs ``warmup`` +
     ``repeats`` forward+backward steps in train mode on ``torch.get_num_threads()`` threads and a
-    STREAM-like copy in the same run (:func:`substation.analysis.measure`, which uses
-    :func:`substation.analysis.copy_bandwidth`); bytes per kernel are
-    :func:`substation.analysis.operator_count`'s (every connector's elements x itemsize). ``layout``
+    STREAM-like copy in the same run (:func:`substation.perf.analysis.measure`, which uses
+    :func:`substation.perf.analysis.copy_bandwidth`); bytes per kernel are
+    :func:`substation.perf.analysis.operator_count`'s (every connector's elements x itemsize). ``layout``
     is passed to ``compile_layer`` as in :func:`run_bench`; ``copy_bytes`` sizes the copy buffers (bytes).
 
     Returns:
@@ -582,7 +582,7 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
     import torch
 
     from .analysis import measure, operator_count
-    from .pipeline import compile_layer
+    from ..pipeline import compile_layer
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")

@@ -1,6 +1,6 @@
 """Flop and data-movement analysis of the encoder layer's graphs (Ivanov et al. 2020, section 3).
 
-Every operator of a :class:`~substation.graph.LayerGraph` is counted from the graph alone:
+Every operator of a :class:`~substation.ir.graph.LayerGraph` is counted from the graph alone:
 
 * **bytes read / written**: for every connector of the operator, the elements its access string
   touches (the product of the sizes of its letters; a digit, a fixed index, contributes 1) times the
@@ -35,11 +35,11 @@ from typing import Callable, Mapping
 
 import sympy
 
-from .config import EncoderConfig, load_config
-from .graph import OP_CLASSES, LayerGraph, Operator
-from .ops import op_kind
-from .ops.kind import elements
-from .files import atomic_write
+from ..config import EncoderConfig, load_config
+from ..ir.graph import OP_CLASSES, LayerGraph, Operator
+from ..ops import op_kind
+from ..ops.kind import elements
+from ..files import atomic_write
 
 __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
@@ -99,7 +99,7 @@ def kind_flop(kind: str, attrs: Mapping, inputs: Mapping, outputs: Mapping,
               size: Callable[[str], object] | Mapping[str, int] | None = None):
     """Flop of one operator of ``kind``, from its attributes and operand accesses.
 
-    Works for a top-level :class:`~substation.graph.Operator` (``op.kind, op.attrs``,
+    Works for a top-level :class:`~substation.ir.graph.Operator` (``op.kind, op.attrs``,
     ``graph.inputs_of(op)``, ``graph.outputs_of(op)``) and for a member dict of a fused operator
     (``m["kind"], m["attrs"], m["inputs"], m["outputs"]``); a ``fused`` kind sums its members
     (``attrs["ops"]``, recursively).
@@ -213,7 +213,7 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
 # -- graphs --------------------------------------------------------------------------------------
 def optimized_graphs(config: EncoderConfig):
     """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's layouts."""
-    from .pipeline import compile_graphs
+    from ..pipeline import compile_graphs
     return compile_graphs(load_config(config), fuse_ops=True)
 
 
@@ -367,7 +367,7 @@ def analyze(config, optimized: bool = False) -> Analysis:
         NotImplementedError: ``optimized`` while the pipeline has no optimization stage.
         ValueError: an operator kind without a flop rule.
     """
-    from .pipeline import compile_graphs
+    from ..pipeline import compile_graphs
 
     config = load_config(config)
     sizes = config.sizes()
@@ -448,8 +448,8 @@ def _probe_library():
     """The machine-probe library (``csrc/substation_probe.cpp``), built through the build cache."""
     import ctypes
 
-    from .build import build_library
-    from .resources import csrc_file
+    from ..backends.cpu.build import build_library
+    from ..resources import csrc_file
 
     with open(csrc_file("substation_probe.cpp")) as f:
         lib = ctypes.CDLL(build_library(f.read(), "probe").path)
@@ -523,8 +523,8 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     """
     import torch
 
-    from .pipeline import compile_layer
-    from .runtime import EncoderLayer
+    from ..pipeline import compile_layer
+    from ..runtime import EncoderLayer
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")

@@ -1,5 +1,5 @@
 """Compiling generated CUDA into shared libraries with nvcc, through the build cache of
-:mod:`substation.build` (same atomic publication: an entry is assembled in a private folder and
+:mod:`substation.backends.cpu.build` (same atomic publication: an entry is assembled in a private folder and
 published with one rename; a failed build leaves nothing behind).
 
 Toolchain (found by :func:`cuda_toolchain`):
@@ -34,8 +34,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from .build import BuildResult, ToolchainError, cached_build, find_cxx
-from .resources import csrc_dir, csrc_file
+from ..cpu.build import BuildResult, ToolchainError, cached_build, find_cxx
+from ...resources import csrc_dir, csrc_file
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
            "emulation_toolchain", "arch_number"]
@@ -257,7 +257,7 @@ def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emu
     With ``emulate``, compile it for the CPU emulation instead (tests without a GPU).
 
     Returns:
-        a :class:`~substation.build.BuildResult` (path, cached, compile seconds).
+        a :class:`~substation.backends.cpu.build.BuildResult` (path, cached, compile seconds).
 
     Raises:
         ToolchainError: nvcc (CUDA >= 12) or cuBLAS missing (emulation: C++ compiler or CUDA headers).
@@ -266,7 +266,7 @@ def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emu
     """
     arch_number(arch)
     probe_cmd, ident = _command("source.cu", "lib.so", arch, emulate)
-    from . import __version__
+    from ... import __version__
     h = hashlib.sha256()
     for part in (source, _header_text(), ident, " ".join(probe_cmd[1:]), str(emulate), __version__):
         h.update(part.encode())

@@ -23,7 +23,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .resources import csrc_dir, csrc_file
+from ...resources import csrc_dir, csrc_file
 
 __all__ = ["ToolchainError", "BuildError", "Toolchain", "toolchain", "cache_dir", "build_library",
            "build_libraries"]
@@ -158,7 +158,7 @@ def _header_text() -> str:
 def build_key(source: str) -> str:
     """SHA-256 over everything that changes the compiled library."""
     tc = toolchain()
-    from . import __version__
+    from ... import __version__
     h = hashlib.sha256()
     for part in (source, _header_text(), tc.cxx_version, " ".join(FLAGS), tc.blas_version, _cpu_id(),
                  __version__):

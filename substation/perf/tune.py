@@ -37,8 +37,8 @@ import sys
 import time
 from typing import Callable
 
-from .files import atomic_write_text
-from .passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution,
+from ..files import atomic_write_text
+from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution,
                             _rename_records, build_problem, load_plan, op_candidates, plan_from_solution, solve)
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
@@ -82,8 +82,8 @@ class TuneCache:
 
 
 def _machine_key(config, sizes: dict) -> str:
-    from . import __version__
-    from .build import _cpu_id, toolchain
+    from .. import __version__
+    from ..backends.cpu.build import _cpu_id, toolchain
     tc = toolchain()
     threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
     h = hashlib.sha256("\0".join([_cpu_id(), tc.cxx_version, tc.blas_version, threads, config.dtype,
@@ -93,7 +93,7 @@ def _machine_key(config, sizes: dict) -> str:
 
 def default_cache_path(config, sizes: dict) -> str:
     """``<build cache>/tune/<machine and sizes key>.json``."""
-    from .build import cache_dir
+    from ..backends.cpu.build import cache_dir
     return os.path.join(cache_dir(), "tune", f"{config.name}-{_machine_key(config, sizes)}.json")
 
 
@@ -137,7 +137,7 @@ def _cand_key(op_key: str, fp: str, cand: Candidate, kind: str) -> str:
 def _bench_graph(graph, op, cands: list[Candidate]):
     """A graph holding one copy of ``op`` per candidate (``c0``, ``c1``, ...), each on its own tensors
     ``<tensor>__c<i>`` stored in the candidate's layouts (all of them arguments)."""
-    from .graph import GraphBuilder
+    from ..ir.graph import GraphBuilder
     b = GraphBuilder(f"tune_{graph.phase}_{op.label}", graph.config, graph.phase)
     ins, outs = graph.inputs_of(op), graph.outputs_of(op)
     for i, c in enumerate(cands):
@@ -159,7 +159,7 @@ def _bench_graph(graph, op, cands: list[Candidate]):
 
 def _transpose_graph(config, phase: str, items: list[tuple[str, str, str]]):
     """A graph of transposes: items are (dims, source layout, destination layout)."""
-    from .graph import GraphBuilder
+    from ..ir.graph import GraphBuilder
     b = GraphBuilder(f"tune_{phase}_transposes", config, phase)
     for i, (dims, src, dst) in enumerate(items):
         b.tensor(f"src{i}", dims, "input", src)
@@ -248,8 +248,8 @@ def measure_candidates(jobs: list[tuple], config, sizes: dict, cache: TuneCache,
     """
     from tqdm import tqdm
 
-    from .build import build_libraries
-    from .codegen import generate_cpu
+    from ..backends.cpu.build import build_libraries
+    from ..backends.cpu.codegen import generate_cpu
     itemsize = 4 if config.dtype == "float32" else 8
     todo = [(keys, g) for keys, g in jobs if any(cache.get(k) is None for k in keys)]
     bar = tqdm(total=2 * len(todo), desc=desc, unit="step", file=sys.stderr, disable=not progress or not todo)
@@ -343,8 +343,8 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
         ConfigError, FileNotFoundError: a bad config. ToolchainError, BuildError: building failed.
         LayoutInfeasible, RuntimeError: from :func:`~substation.passes.layout.solve`.
     """
-    from .config import load_config
-    from .pipeline import compile_graphs
+    from ..config import load_config
+    from ..pipeline import compile_graphs
     say = log or (lambda s: None)
     t_start = time.perf_counter()
     deadline = t_start + max(0.0, budget_s - 90.0)  # keep time for the solves after the last measurement
@@ -497,7 +497,7 @@ def sign_test_wins(rounds: int, alpha: float = 0.05) -> int:
 
 def _default_sol(problem: LayoutProblem, sol: Solution) -> Solution:
     """PyTorch's layouts everywhere, costed like ``sol`` (measured where measured)."""
-    from .passes.layout import default_solution
+    from ..passes.layout import default_solution
     d = default_solution(problem)
     for key, ov in problem.ops.items():
         meas = [c for c in ov.candidates if c.measured and c.layouts == ov.default.layouts
@@ -542,9 +542,9 @@ def compare_layouts(config, plan, repeats: int = 10, warmup: int = 2, progress: 
 
     import torch
 
-    from .config import load_config
-    from .pipeline import compile_layer
-    from .runtime import EncoderLayer
+    from ..config import load_config
+    from ..pipeline import compile_layer
+    from ..runtime import EncoderLayer
     say = progress or (lambda s: None)
     config = load_config(config)
     plan_obj = load_plan(plan)
