@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point of the ``substation`` command. Returns the exit status."""
     from .backends.cpu.build import BuildError, ToolchainError
-    from .backends.cpu.codegen import LayoutError
+    from .ir.operands import LayoutError
     from .config import ConfigError
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)

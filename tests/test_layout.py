@@ -1,5 +1,6 @@
 """Global layout selection: exact solve on known cost tables, infeasibility, plans, numerics under a
 non-default plan, and the tuner's resumable cache."""
+import dataclasses
 import itertools
 import json
 import os
@@ -11,7 +12,7 @@ import torch
 
 import substation
 from conftest import NO_DROPOUT, reference_for
-from substation.backends.cpu.codegen import LayoutError, _resolve, plan_contraction
+from substation.ir.operands import LayoutError, plan_contraction, resolve_operand
 from substation.config import load_config
 from substation.passes import layout as L
 from substation.pipeline import compile_graphs, compile_layer
@@ -162,9 +163,9 @@ def test_gemm_modes_agree_with_plan_contraction(tiny_graphs):
                 ours = any(all(lay[t] in m.operand[t] for t in tensors) for m in ov.modes)
                 info = {t: g.tensors[t] for t in tensors}
                 for t in tensors:
-                    g.tensors[t] = L.dataclasses.replace(info[t], layout=lay[t])
+                    g.tensors[t] = dataclasses.replace(info[t], layout=lay[t])
                 try:
-                    ops = {c: _resolve(g, t, a) for c, (t, a) in g.operands(op).items()}
+                    ops = {c: resolve_operand(g, t, a) for c, (t, a) in g.operands(op).items()}
                     out = ops.pop("y")
                     plan_contraction(*ops.values(), out, op.label)
                     theirs = True

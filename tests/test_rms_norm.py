@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from conftest import NO_DROPOUT, additive, make_layer, reference_for, rel, run
 from test_cuda import TOLERANCE, emulated_layer, errors_vs_reference, needs_emulation
 from substation.perf.analysis import analyze
-from substation.backends.cpu.codegen import stat_tensors, tensor_dtypes
+from substation.backends.common import stat_tensors
+from substation.backends.cpu.codegen import tensor_dtypes
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.ir.graph import parameters
 from substation.passes.fusion import kernel_name

@@ -8,6 +8,6 @@ rms_norm_param_grad, bias_grad (SN).
 """
 from . import (activation, add, bias, contraction, dropout, layer_norm, mask, rms_norm, softmax,  # noqa: F401 (register)
                transpose)
-from .kind import KINDS, OpKind, op_kind
+from .kind import KINDS, OpKind, op_kind, op_space
 
-__all__ = ["KINDS", "OpKind", "op_kind"]
+__all__ = ["KINDS", "OpKind", "op_kind", "op_space"]

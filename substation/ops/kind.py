@@ -18,7 +18,8 @@ import torch
 
 from ..ir.graph import access_letters
 
-__all__ = ["OpKind", "KINDS", "register", "op_kind", "operand_access", "elements", "elementwise_flop", "align", "reduce_to"]
+__all__ = ["OpKind", "KINDS", "register", "op_kind", "operand_access", "elements", "elementwise_flop", "align", "reduce_to",
+           "op_space"]
 
 #: Every registered kind by name (filled by the modules of :mod:`substation.ops`).
 KINDS: dict[str, "OpKind"] = {}
@@ -157,3 +158,22 @@ def align(tensor: torch.Tensor, letters: str, target: str) -> torch.Tensor:
 def reduce_to(tensor: torch.Tensor, letters: str, target: str) -> torch.Tensor:
     """Sum ``tensor`` (letters ``letters``) over the letters not in ``target`` and order it as ``target``."""
     return torch.einsum(f"{letters}->{target}", tensor)
+
+
+def op_space(kind: str, inputs: dict, outputs: dict, attrs: dict) -> tuple[frozenset, frozenset | None]:
+    """(F, N) of an EW or SN operator of kind ``kind``: its full iteration letters and the inner
+    letters its reduction fixes (the axis of a row reduction, the kept letters of a column reduction;
+    None when any split works, as for element-wise operators).
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    reduction = op_kind(kind).reduction
+    if reduction == "column":
+        full = max((frozenset(access_letters(a)) for _, a in inputs.values()), key=len)
+        kept = frozenset(access_letters(next(iter(outputs.values()))[1]))
+        return full, kept
+    full = max((frozenset(access_letters(a)) for _, a in list(inputs.values()) + list(outputs.values())), key=len)
+    if reduction == "row":
+        return full, frozenset(attrs["axis"])
+    return full, None

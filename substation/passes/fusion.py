@@ -24,10 +24,10 @@ import json
 
 import networkx as nx
 
-from ..ir.graph import GraphBuilder, LayerGraph, access_letters
-from ..ops import op_kind
+from ..ir.graph import GraphBuilder, LayerGraph
+from ..ops import op_kind, op_space
 
-__all__ = ["FusionOptions", "FuseOperators", "fuse", "op_space", "kernel_name"]
+__all__ = ["FusionOptions", "FuseOperators", "fuse", "kernel_name"]
 
 @dataclasses.dataclass(frozen=True)
 class FusionOptions:
@@ -67,20 +67,6 @@ class _Op:
         return {"name": self.name, "kind": self.kind, "op_class": self.op_class,
                 "inputs": {c: list(v) for c, v in self.inputs.items()},
                 "outputs": {c: list(v) for c, v in self.outputs.items()}, "attrs": self.attrs}
-
-
-def op_space(kind: str, inputs: dict, outputs: dict, attrs: dict) -> tuple[frozenset, frozenset | None]:
-    """(F, N) of an EW or SN operator: its full iteration letters and the inner letters it fixes
-    (None when any split works, as for element-wise operators)."""
-    reduction = op_kind(kind).reduction
-    if reduction == "column":
-        full = max((frozenset(access_letters(a)) for _, a in inputs.values()), key=len)
-        kept = frozenset(access_letters(next(iter(outputs.values()))[1]))
-        return full, kept
-    full = max((frozenset(access_letters(a)) for _, a in list(inputs.values()) + list(outputs.values())), key=len)
-    if reduction == "row":
-        return full, frozenset(attrs["axis"])
-    return full, None
 
 
 class FuseOperators:

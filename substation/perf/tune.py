@@ -38,8 +38,8 @@ import time
 from typing import Callable
 
 from ..files import atomic_write_text
-from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution,
-                            _rename_records, build_problem, load_plan, op_candidates, plan_from_solution, solve)
+from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution, build_problem, load_plan,
+                            op_candidates, plan_from_solution, rename_member_tensors, solve)
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
 
@@ -149,7 +149,7 @@ def _bench_graph(graph, op, cands: list[Candidate]):
                     b.tensor(rename[t], graph.tensors[t].dims, role, c.layouts.get(t, graph.tensors[t].layout))
         attrs = op.attrs
         if op.kind == "fused":
-            attrs["ops"] = _rename_records(attrs["ops"], rename)
+            attrs["ops"] = rename_member_tensors(attrs["ops"], rename)
         if op.kind != "contraction" and c.options.get("vector"):
             attrs["vector"] = c.options["vector"]
         b.op(f"c{i}", op.kind, op.op_class, {k: f"{rename[t]}[{a}]" for k, (t, a) in ins.items()},

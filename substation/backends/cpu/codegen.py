@@ -17,167 +17,14 @@ The generated library exports::
 """
 from __future__ import annotations
 
-import dataclasses
-
-import sympy
-
-from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, layout_strides
+from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator
+from ...ir.operands import Operand, c_expr, dim_size, linear_index, plan_contraction, resolve_operand
 from ...ops import op_kind
+from ..common import member_records, row_kernel_space, stat_tensors
 
-__all__ = ["LayoutError", "generate_cpu", "ContractionPlan", "plan_contraction"]
+__all__ = ["generate_cpu", "tensor_dtypes"]
 
 _CTYPES = {"float32": "float", "float64": "double"}
-
-
-class LayoutError(ValueError):
-    """The layouts of a contraction's operands do not map to one (batched) GEMM call."""
-
-
-def _cxx(expr) -> str:
-    return sympy.ccode(sympy.sympify(expr))
-
-
-def _symbol(dim: str):
-    return 3 if dim == "T" else sympy.Symbol(dim)
-
-
-@dataclasses.dataclass
-class _Operand:
-    """One operand of an operator, resolved against its tensor's strides."""
-
-    name: str        # C++ pointer variable
-    access: str
-    strides: dict    # loop letter -> symbolic element stride
-    base: object     # symbolic element offset from the fixed (digit) indices
-
-    def offset(self, letters=None) -> str:
-        terms = [] if self.base == 0 else [_cxx(self.base)]
-        for c, s in self.strides.items():
-            if letters is None or c in letters:
-                terms.append(f"i_{c}" if s == 1 else f"i_{c} * ({_cxx(s)})")
-        return " + ".join(terms) or "0"
-
-
-def _resolve(graph: LayerGraph, tensor: str, access: str) -> _Operand:
-    info = graph.tensors[tensor]
-    strides = layout_strides(info.dims, info.layout, _symbol)
-    res, base = {}, sympy.Integer(0)
-    for c, s in zip(access, strides):
-        if c.isdigit():
-            base += int(c) * s
-        else:
-            res[c] = s
-    return _Operand(tensor, access, res, base)
-
-
-def _size(letter: str) -> str:
-    return "3" if letter == "T" else letter
-
-
-def linear_index(letters, index_of) -> str:
-    """The row-major linear index over ``letters`` (outermost first) as a C expression: Horner's form
-    ``((i0) * S1 + i1) * S2 + i2 ...`` with ``index_of(letter)`` as each letter's index expression."""
-    res = ""
-    for c in letters:
-        res = f"({res}) * {_size(c)} + {index_of(c)}" if res else index_of(c)
-    return res or "0"
-
-
-def _order(op: _Operand, letters) -> list[str]:
-    """Letters sorted outermost first by ``op``'s strides (ties keep the given order)."""
-    def key(c):
-        s = op.strides.get(c)
-        return 0 if s is None else -_numeric(s)
-    return sorted(letters, key=key)
-
-
-def _numeric(expr) -> float:
-    """A stride evaluated at generic sizes (for ordering only)."""
-    sub = {sympy.Symbol(d): v for d, v in zip("BJKHPIU", (7, 11, 11, 13, 17, 19, 23))}
-    return float(sympy.sympify(expr).subs(sub))
-
-
-# -- contractions ----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class ContractionPlan:
-    """How one einsum maps to GEMM calls ``C[m, n] = alpha * A[m, k] B[k, n]`` (row-major C).
-
-    Sizes and leading dimensions are symbolic; ``batch`` lists (letter, stride in A, B, C) for the
-    loops around the call.
-    """
-
-    a: _Operand
-    b: _Operand
-    c: _Operand
-    trans_a: bool
-    trans_b: bool
-    m: object
-    n: object
-    k: object
-    lda: object
-    ldb: object
-    ldc: object
-    batch: list
-
-
-def _group(op: _Operand, letters: list[str], what: str, ref_order=None):
-    """Merge ``letters`` of one operand into a single (size, stride) if they are dense and ordered."""
-    if not letters:
-        raise LayoutError(f"{what}: empty index group")
-    order = _order(op, letters)
-    if ref_order is not None and order != ref_order:
-        raise LayoutError(f"{what}: index order {''.join(order)} differs from {''.join(ref_order)}")
-    for outer, inner in zip(order, order[1:]):
-        # K renames J in self-attention: compare strides with K = J.
-        gap = (op.strides[outer] - op.strides[inner] * _symbol(inner)).subs(sympy.Symbol("K"), sympy.Symbol("J"))
-        if sympy.simplify(gap) != 0:
-            raise LayoutError(f"{what}: dimensions {outer}{inner} of {op.name} are not adjacent in memory")
-    size = sympy.Integer(1)
-    for c in order:
-        size *= _symbol(c)
-    return order, size, op.strides[order[-1]]
-
-
-def plan_contraction(a: _Operand, b: _Operand, c: _Operand, label: str) -> ContractionPlan:
-    """Map ``c = einsum(a, b)`` onto a GEMM, swapping or transposing operands as the strides require.
-
-    Raises:
-        LayoutError: the operands' layouts need an explicit transpose first.
-    """
-    la, lb, lc = set(a.strides), set(b.strides), set(c.strides)
-    batch = [x for x in c.access if x in la and x in lb and not x.isdigit()]
-    m = [x for x in c.access if x in la and x not in lb and not x.isdigit()]
-    n = [x for x in c.access if x in lb and x not in la and not x.isdigit()]
-    k = [x for x in a.access if x in lb and x not in lc and not x.isdigit()]
-    stray = (la | lb | lc) - set(batch) - set(m) - set(n) - set(k)
-    if stray:
-        raise LayoutError(f"{label}: indices {''.join(sorted(stray))} appear in only one operand")
-    mo, msize, cm = _group(c, m, f"{label} (C rows)")
-    _, _, am = _group(a, m, f"{label} (A rows)", mo)
-    no, nsize, cn = _group(c, n, f"{label} (C cols)")
-    _, _, bn = _group(b, n, f"{label} (B cols)", no)
-    ko, ksize, ak = _group(a, k, f"{label} (A inner)")
-    _, _, bk = _group(b, k, f"{label} (B inner)", ko)
-    if cn != 1:
-        if cm != 1:
-            raise LayoutError(f"{label}: output {c.name} has no unit-stride GEMM dimension")
-        # C^T = B^T A^T: swap the roles of A and B.
-        a, b, am, ak, bk, bn, cm, cn, msize, nsize = b, a, bn, bk, ak, am, cn, cm, nsize, msize
-    if ak == 1:
-        trans_a, lda = False, am
-    elif am == 1:
-        trans_a, lda = True, ak
-    else:
-        raise LayoutError(f"{label}: operand {a.name} has no unit-stride GEMM dimension")
-    if bn == 1:
-        trans_b, ldb = False, bk
-    elif bk == 1:
-        trans_b, ldb = True, bn
-    else:
-        raise LayoutError(f"{label}: operand {b.name} has no unit-stride GEMM dimension")
-    batch_info = [(x, a.strides[x], b.strides[x], c.strides[x]) for x in _order(c, batch)]
-    return ContractionPlan(a, b, c, trans_a, trans_b, msize, nsize, ksize, lda, ldb, cm,
-                           batch_info)
 
 
 # -- the emitter -----------------------------------------------------------------------------------
@@ -193,8 +40,8 @@ class _Emitter:
     def w(self, line: str = "") -> None:
         self.lines.append("  " * self.indent + line if line else "")
 
-    def operands(self, op: Operator) -> dict[str, _Operand]:
-        return {conn: _resolve(self.graph, t, a) for conn, (t, a) in self.graph.operands(op).items()}
+    def operands(self, op: Operator) -> dict[str, Operand]:
+        return {conn: resolve_operand(self.graph, t, a) for conn, (t, a) in self.graph.operands(op).items()}
 
     # loops ---------------------------------------------------------------------------------------
     def loops(self, letters: list[str], body, parallel: bool = True, inner_simd: bool = False,
@@ -206,7 +53,7 @@ class _Emitter:
         for c in letters:
             if inner_simd and c == letters[-1] and len(letters) > 1:
                 self.w("#pragma omp simd")
-            self.w(f"for (int64_t i_{c} = 0; i_{c} < {_size(c)}; ++i_{c}) {{")
+            self.w(f"for (int64_t i_{c} = 0; i_{c} < {dim_size(c)}; ++i_{c}) {{")
             self.indent += 1
         body()
         for _ in letters:
@@ -225,7 +72,7 @@ class _Emitter:
         if op.kind == "contraction":
             self._emit_contraction(op, self.operands(op), op.attrs)
         else:
-            _RowKernel(self, _records(self.graph, op), op.attrs.get("vector")).emit()
+            _RowKernel(self, member_records(self.graph, op), op.attrs.get("vector")).emit()
         if timer is not None:
             self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
@@ -237,18 +84,18 @@ class _Emitter:
         plan = plan_contraction(a, b, out, op.label)
         alpha = attrs.get("alpha", 1.0)
         call = (f"{self.blas}(CblasRowMajor, {'CblasTrans' if plan.trans_a else 'CblasNoTrans'}, "
-                f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {_cxx(plan.m)}, {_cxx(plan.n)}, "
-                f"{_cxx(plan.k)}, {alpha!r}, {plan.a.name} + {{oa}}, {_cxx(plan.lda)}, {plan.b.name} + {{ob}}, "
-                f"{_cxx(plan.ldb)}, 0.0, {plan.c.name} + {{oc}}, {_cxx(plan.ldc)});")
-        base = {x: (_cxx(o.base) if o.base != 0 else "0") for x, o in (("a", plan.a), ("b", plan.b), ("c", out))}
+                f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {c_expr(plan.m)}, {c_expr(plan.n)}, "
+                f"{c_expr(plan.k)}, {alpha!r}, {plan.a.name} + {{oa}}, {c_expr(plan.lda)}, {plan.b.name} + {{ob}}, "
+                f"{c_expr(plan.ldb)}, 0.0, {plan.c.name} + {{oc}}, {c_expr(plan.ldc)});")
+        base = {x: (c_expr(o.base) if o.base != 0 else "0") for x, o in (("a", plan.a), ("b", plan.b), ("c", out))}
         if not plan.batch:
             self.w(call.format(oa=base["a"], ob=base["b"], oc=base["c"]))
             return
 
         def off(which, idx):
-            terms = [base[which]] + [f"i_{x} * ({_cxx(s[idx])})" for x, *s in plan.batch if s[idx] != 0]
+            terms = [base[which]] + [f"i_{x} * ({c_expr(s[idx])})" for x, *s in plan.batch if s[idx] != 0]
             return " + ".join(t for t in terms if t != "0") or "0"
-        nbatch = " * ".join(_size(x) for x, *_ in plan.batch)
+        nbatch = " * ".join(dim_size(x) for x, *_ in plan.batch)
         inner = call.format(oa=off("a", 0), ob=off("b", 1), oc=off("c", 2))
         letters = [x for x, *_ in plan.batch]
         # Many small GEMMs: one per thread (BLAS runs single-threaded inside the parallel region).
@@ -259,12 +106,12 @@ class _Emitter:
             self.w("#pragma omp parallel")
             self.w("{")
             self.indent += 1
-            self.w(f"std::vector<float> pack_(ss::gemm_small_pack_floats({_cxx(plan.n)}, {_cxx(plan.k)}));")
+            self.w(f"std::vector<float> pack_(ss::gemm_small_pack_floats({c_expr(plan.n)}, {c_expr(plan.k)}));")
             self.w(f"#pragma omp for collapse({len(letters)}) schedule(static)")
-            small = (f"ss::gemm_small({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {_cxx(plan.m)}, "
-                     f"{_cxx(plan.n)}, {_cxx(plan.k)}, {alpha!r}f, {plan.a.name} + {off('a', 0)}, {_cxx(plan.lda)}, "
-                     f"{plan.b.name} + {off('b', 1)}, {_cxx(plan.ldb)}, {plan.c.name} + {off('c', 2)}, "
-                     f"{_cxx(plan.ldc)}, pack_.data());")
+            small = (f"ss::gemm_small({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
+                     f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {plan.a.name} + {off('a', 0)}, {c_expr(plan.lda)}, "
+                     f"{plan.b.name} + {off('b', 1)}, {c_expr(plan.ldb)}, {plan.c.name} + {off('c', 2)}, "
+                     f"{c_expr(plan.ldc)}, pack_.data());")
             self.loops(letters, lambda: self.w(small), parallel=False)
             self.indent -= 1
             self.w("}")
@@ -285,29 +132,6 @@ COLUMN_BLOCK = 32
 #: them: 256 elements are 32 Philox blocks, one two-chain AVX-512 call, and the chunk's generation
 #: overlaps the previous chunk's loads and stores (a whole row first would stall on memory after).
 RANDOM_CHUNK = 256
-
-
-def row_kernel_space(graph: LayerGraph, members: list[dict], vector: str | None = None):
-    """(F, N, R) of a row kernel: its iteration letters, the inner letters (ordered, innermost last)
-    and the row letters (outermost first), following the layout of its first full-width tensor in
-    memory. Row and column reductions fix N; element-wise kernels take the trailing run of static
-    letters; ``vector`` (a layout plan's vectorized letter) is moved innermost."""
-    from ...passes.fusion import op_space
-    spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
-    full = spaces[0][0]
-    inner = next((n for _, n in spaces if n is not None), None)
-    refs = [ta for m in members for ta in list(m["inputs"].values()) + list(m["outputs"].values())]
-    main, main_access = next((t, a) for t, a in refs
-                             if t in graph.tensors and {c for c in a if not c.isdigit()} == full)
-    order = _order(_resolve(graph, main, main_access), sorted(full))
-    if vector in order and (inner is None or vector in inner):
-        order = [c for c in order if c != vector] + [vector]
-    if inner is None:
-        k = len(order) - 1
-        while k > 0 and order[k - 1] in STATIC_DIMENSIONS + ("T",):
-            k -= 1
-        inner = frozenset(order[k:])
-    return full, [c for c in order if c in inner], [c for c in order if c not in inner]
 
 
 class _RowKernel:
@@ -360,7 +184,7 @@ class _RowKernel:
             return f"sc_{t}"
         if not self.memory(t):
             raise AssertionError(f"tensor {t} is neither in memory nor produced earlier in the kernel")
-        return f"{t}[{_resolve(self.graph, t, a).offset()}]"
+        return f"{t}[{resolve_operand(self.graph, t, a).offset()}]"
 
     def put(self, t: str, a: str, value: str) -> list[str]:
         res = []
@@ -369,7 +193,7 @@ class _RowKernel:
         if t in self.scalars:
             res.append(f"sc_{t} = {value};")
         if self.memory(t):
-            res.append(f"{t}[{_resolve(self.graph, t, a).offset()}] = {value};")
+            res.append(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {value};")
         return res
 
     def inner(self, stmts, reduction: str = "") -> None:
@@ -469,7 +293,7 @@ class _RowKernel:
         for k, c in enumerate(self.N):
             if k == len(self.N) - 1:
                 self.w("#pragma omp simd" + "".join(f" reduction({r})" for r in reductions))
-            lo, hi = span or ("0", _size(c))
+            lo, hi = span or ("0", dim_size(c))
             self.w(f"for (int64_t i_{c} = {lo}; i_{c} < {hi}; ++i_{c}) {{")
             self.em.indent += 1
         self.w(f"const int64_t n_ = {linear_index(self.N, lambda c: f'i_{c}')}; (void)n_;")
@@ -489,8 +313,8 @@ class _RowKernel:
     # the kernel ---------------------------------------------------------------------------------
     def emit(self) -> None:
         T = self.T
-        nn = " * ".join(_size(c) for c in self.N)
-        self.w(f"const int64_t nrows_ = {' * '.join(_size(c) for c in self.R) or '1'}, nn_ = {nn};")
+        nn = " * ".join(dim_size(c) for c in self.N)
+        self.w(f"const int64_t nrows_ = {' * '.join(dim_size(c) for c in self.R) or '1'}, nn_ = {nn};")
         ncol = sum(len(m["outputs"]) for m in self.column)
         if ncol:
             self.w("const int nth_ = omp_get_max_threads();")
@@ -525,7 +349,7 @@ class _RowKernel:
         if self.R:
             self.w("int64_t rem_ = row_;")
             for c in reversed(self.R):
-                self.w(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
+                self.w(f"const int64_t i_{c} = rem_ % {dim_size(c)}; rem_ /= {dim_size(c)};")
         for t in self.scalars:
             self.w(f"double sc_{t} = 0;")
         self.ready: set[str] = set()
@@ -549,7 +373,7 @@ class _RowKernel:
         q = 0
         for m in self.column:
             for conn, (t, a) in sorted(m["outputs"].items()):
-                off = _resolve(self.graph, t, a).offset()
+                off = resolve_operand(self.graph, t, a).offset()
                 qq = q
                 self.inner(lambda: [f"double s_ = 0; for (int t2_ = 0; t2_ < nth_; ++t2_) "
                                     f"s_ += part_[((size_t)t2_ * {ncol} + {qq}) * nn_ + n_];",
@@ -579,7 +403,7 @@ class _RowKernel:
             return f"&{expr.replace('[n_]', '[0]')}"
         if not self.memory(t):
             return None
-        op = _resolve(self.graph, t, a)
+        op = resolve_operand(self.graph, t, a)
         return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
 
     def split_statistics(self, mu: str, r: str, rstd_known: bool = True):
@@ -599,7 +423,7 @@ class _RowKernel:
         return xhat
 
 def _numel(dims: str) -> str:
-    return " * ".join(_size(d) for d in dims)
+    return " * ".join(dim_size(d) for d in dims)
 
 
 def _timer_abi(ops: list[Operator]) -> list[str]:
@@ -613,26 +437,6 @@ def _timer_abi(ops: list[Operator]) -> list[str]:
         "}",
         "",
     ]
-
-
-def _records(graph: LayerGraph, op: Operator) -> list[dict]:
-    if op.kind == "fused":
-        return op.attrs["ops"]
-    return [{"name": op.label, "kind": op.kind, "attrs": op.attrs, "inputs": graph.inputs_of(op),
-             "outputs": graph.outputs_of(op)}]
-
-
-def stat_tensors(graph: LayerGraph) -> set[str]:
-    """Names of the per-row statistics tensors of ``graph`` (the operands of each member's
-    ``statistics`` connectors: layer norm's ``mean``/``rstd``, RMSNorm's ``rstd``), shape [B, J]."""
-    names = set()
-    for op in graph.operators():
-        if op.op_class == "TC":
-            continue
-        for m in _records(graph, op):
-            stats = op_kind(m["kind"]).statistics
-            names.update(t for c, (t, _) in (*m["inputs"].items(), *m["outputs"].items()) if c in stats)
-    return names & set(graph.tensors)
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:

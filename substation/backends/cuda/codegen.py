@@ -46,10 +46,10 @@ import re
 
 import sympy
 
-from ..cpu.codegen import (LayoutError, _cxx, _records, _resolve, _size, linear_index, plan_contraction,
-                      row_kernel_space, stat_tensors)
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
+from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
 from ...ops import op_kind
+from ..common import member_records, row_kernel_space, stat_tensors
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
 
@@ -58,10 +58,6 @@ STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "
 #: Config dtype -> dtype of the arithmetic (and of normalization statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
-
-
-def _symbol(dim: str):
-    return 3 if dim == "T" else sympy.Symbol(dim)
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
@@ -107,30 +103,30 @@ class _RowKernel:
     # static facts ---------------------------------------------------------------------------------
     def _vector_possible(self) -> bool:
         vmax = 16 // self.graph.config.itemsize
-        size = _symbol(self.last)
+        size = dim_symbol(self.last)
         if isinstance(size, int) or size.is_number:
             if int(size) % vmax:
                 return False
         elif str(size) in STATIC_DIMENSIONS and self.graph.config.sizes()[str(size)] % vmax:
             return False
         for t, a, _ in self.params:
-            op = _resolve(self.graph, t, a)
+            op = resolve_operand(self.graph, t, a)
             if self.last in op.strides and sympy.simplify(op.strides[self.last] - 1) != 0:
                 return False
         return True
 
     def _vector_condition(self) -> str:
         """C++ condition under which the vector instantiation is valid at run time."""
-        conds = [f"({_size(self.last)}) % VMAX == 0"]
+        conds = [f"({dim_size(self.last)}) % VMAX == 0"]
         for t, a, _ in self.params:
-            op = _resolve(self.graph, t, a)
+            op = resolve_operand(self.graph, t, a)
             if self.last not in op.strides:
                 continue
-            base = "0" if op.base == 0 else _cxx(op.base)
+            base = "0" if op.base == 0 else c_expr(op.base)
             conds.append(f"sscuda::aligned16({t} + {base})")
             for c, s in op.strides.items():
                 if c != self.last:
-                    conds.append(f"({_cxx(s)}) % VMAX == 0")
+                    conds.append(f"({c_expr(s)}) % VMAX == 0")
         return " && ".join(dict.fromkeys(conds))
 
     # emission state -------------------------------------------------------------------------------
@@ -175,14 +171,14 @@ class _RowKernel:
             return [f"const int64_t i_{self.N[0]} = {var};"]
         res = [f"int64_t rem_ = {var};"]
         for c in reversed(self.N):
-            res.append(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
+            res.append(f"const int64_t i_{c} = rem_ % {dim_size(c)}; rem_ /= {dim_size(c)};")
         return res + ["(void)rem_;"]
 
     def lane_of(self, c: str) -> str:
         return f"(i_{c} + l_)" if c == self.last else f"i_{c}"
 
     def _offset(self, t: str, a: str) -> str:
-        return _resolve(self.graph, t, a).offset()
+        return resolve_operand(self.graph, t, a).offset()
 
     def _buffered(self, t: str) -> bool:
         return self.plan is not None and t in self.plan["buffers"]
@@ -203,7 +199,7 @@ class _RowKernel:
             return f"r_{t}[l_]"
         if t not in self.graph.tensors:
             raise AssertionError(f"{self.name}: tensor {t} is neither in memory nor produced earlier")
-        op = _resolve(self.graph, t, a)
+        op = resolve_operand(self.graph, t, a)
         fn = "load" if self.last in op.strides else "load_bcast"
         lp.body.append(f"sscuda::{fn}<V>({t} + ({op.offset()}), r_{t});")
         if self._buffered(t):
@@ -276,10 +272,10 @@ class _RowKernel:
         return {"buffers": buffers}
 
     def nrows(self) -> str:
-        return " * ".join(_size(c) for c in self.R) or "1"
+        return " * ".join(dim_size(c) for c in self.R) or "1"
 
     def nn(self) -> str:
-        return " * ".join(_size(c) for c in self.N)
+        return " * ".join(dim_size(c) for c in self.N)
 
     def generate(self) -> tuple[list[str], list[str], str]:
         """(kernel definitions, launch statements for ``substation_run``, workspace bytes expression
@@ -323,7 +319,7 @@ class _RowKernel:
         if self.R:
             src.append("    int64_t rrem_ = row_;")
             for c in reversed(self.R):
-                src.append(f"    const int64_t i_{c} = rrem_ % {_size(c)}; rrem_ /= {_size(c)};")
+                src.append(f"    const int64_t i_{c} = rrem_ % {dim_size(c)}; rrem_ /= {dim_size(c)};")
         src += ["    " + s for s in rows]
         src.append("  }")
         if ncol:
@@ -399,39 +395,39 @@ def _merge_batch(plan) -> list[tuple[list[str], object, object, object, object]]
     for x, sa, sb, sc in plan.batch:
         if groups:
             letters, size, ga, gb, gc = groups[-1]
-            n = _symbol(x)
+            n = dim_symbol(x)
             ok = all(sympy.simplify((g - s * n).subs(sympy.Symbol("K"), sympy.Symbol("J"))) == 0
                      for g, s in ((ga, sa), (gb, sb), (gc, sc)))
             if ok:
                 groups[-1] = (letters + [x], size * n, sa, sb, sc)
                 continue
-        groups.append(([x], _symbol(x), sa, sb, sc))
+        groups.append(([x], dim_symbol(x), sa, sb, sc))
     return groups
 
 
 def _emit_contraction(gen: "_Generator", op: Operator) -> list[str]:
-    ops = {conn: _resolve(gen.graph, t, a) for conn, (t, a) in gen.graph.operands(op).items()}
+    ops = {conn: resolve_operand(gen.graph, t, a) for conn, (t, a) in gen.graph.operands(op).items()}
     out = ops.pop("y")
     a, b = ops.values()
     plan = plan_contraction(a, b, out, op.label)
     alpha = op.attrs.get("alpha", 1.0)
-    base = {w: (_cxx(o.base) if o.base != 0 else "0") for w, o in (("a", plan.a), ("b", plan.b), ("c", out))}
+    base = {w: (c_expr(o.base) if o.base != 0 else "0") for w, o in (("a", plan.a), ("b", plan.b), ("c", out))}
     groups = _merge_batch(plan)
 
     def call(batch_group, loop_groups, loop_vars):
         def off(w, idx):
-            terms = [base[w]] + [f"{v} * ({_cxx(g[2 + idx])})" for v, g in zip(loop_vars, loop_groups)]
+            terms = [base[w]] + [f"{v} * ({c_expr(g[2 + idx])})" for v, g in zip(loop_vars, loop_groups)]
             return " + ".join(t for t in terms if t != "0") or "0"
         if batch_group is None:
             count, sa, sb, sc = "1", "0", "0", "0"
         else:
-            count = _cxx(batch_group[1])
-            sa, sb, sc = (_cxx(s) for s in batch_group[2:])
+            count = c_expr(batch_group[1])
+            sa, sb, sc = (c_expr(s) for s in batch_group[2:])
         return (f"SS_CHECK(sscuda::gemm<store_t>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, "
-                f"{_cxx(plan.m)}, {_cxx(plan.n)}, {_cxx(plan.k)}, {alpha!r}, "
-                f"{plan.a.name} + ({off('a', 0)}), {_cxx(plan.lda)}, {sa}, "
-                f"{plan.b.name} + ({off('b', 1)}), {_cxx(plan.ldb)}, {sb}, "
-                f"{plan.c.name} + ({off('c', 2)}), {_cxx(plan.ldc)}, {sc}, {count}, stream_));")
+                f"{c_expr(plan.m)}, {c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}, "
+                f"{plan.a.name} + ({off('a', 0)}), {c_expr(plan.lda)}, {sa}, "
+                f"{plan.b.name} + ({off('b', 1)}), {c_expr(plan.ldb)}, {sb}, "
+                f"{plan.c.name} + ({off('c', 2)}), {c_expr(plan.ldc)}, {sc}, {count}, stream_));")
 
     lines = []
     if not groups:
@@ -440,7 +436,7 @@ def _emit_contraction(gen: "_Generator", op: Operator) -> list[str]:
         lines.append(call(groups[0], [], []))
     else:
         # The largest group (sizes known only at run time) is the strided batch; loop over the rest.
-        lines.append("const int64_t gs_[] = {" + ", ".join(_cxx(g[1]) for g in groups) + "};")
+        lines.append("const int64_t gs_[] = {" + ", ".join(c_expr(g[1]) for g in groups) + "};")
         lines.append("int best_ = 0;")
         lines.append(f"for (int q_ = 1; q_ < {len(groups)}; ++q_) if (gs_[q_] > gs_[best_]) best_ = q_;")
         for i, g in enumerate(groups):
@@ -449,7 +445,7 @@ def _emit_contraction(gen: "_Generator", op: Operator) -> list[str]:
             lines.append(f"{'if' if i == 0 else 'else if'} (best_ == {i}) {{")
             depth = 1
             for v, h in zip(vars_, rest):
-                lines.append("  " * depth + f"for (int64_t {v} = 0; {v} < {_cxx(h[1])}; ++{v})")
+                lines.append("  " * depth + f"for (int64_t {v} = 0; {v} < {c_expr(h[1])}; ++{v})")
                 depth += 1
             lines.append("  " * depth + call(g, rest, vars_))
             lines.append("}")
@@ -471,7 +467,7 @@ def _kernel_name(index: int, label: str) -> str:
 
 
 def _numel(dims: str) -> str:
-    return " * ".join(_size(d) for d in dims)
+    return " * ".join(dim_size(d) for d in dims)
 
 
 def generate_cuda(graph: LayerGraph) -> str:
@@ -500,7 +496,7 @@ def generate_cuda(graph: LayerGraph) -> str:
             body += ["  " + s for s in _emit_contraction(gen, op)]
             body.append("}")
             continue
-        rk = _RowKernel(gen, _records(graph, op), _kernel_name(n, op.label), op.attrs.get("vector"))
+        rk = _RowKernel(gen, member_records(graph, op), _kernel_name(n, op.label), op.attrs.get("vector"))
         src, launch, ws = rk.generate()
         kernels += src
         body += launch

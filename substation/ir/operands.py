@@ -1,0 +1,180 @@
+"""Operands of an operator resolved against their tensors' layouts, and the mapping of a contraction
+onto one (batched) GEMM call: what the layout pass checks and both code generators emit.
+
+An operand's access string names a dimension letter per tensor dimension (a digit indexes a static
+stack dimension, e.g. ``QKV[BJ0HP]``); its strides come from the SDFG array's layout
+(:func:`~substation.ir.graph.layout_strides`), in elements, symbolic in B, J, K and numeric in the
+static sizes H, P, I, U (``T`` is the Q/K/V stack of 3).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+
+from .graph import LayerGraph, layout_strides
+
+__all__ = ["LayoutError", "Operand", "ContractionPlan", "c_expr", "dim_symbol", "dim_size", "linear_index",
+           "resolve_operand", "stride_order", "plan_contraction"]
+
+
+class LayoutError(ValueError):
+    """The layouts of a contraction's operands do not map to one (batched) GEMM call."""
+
+
+def c_expr(expr) -> str:
+    """A sympy expression (or int) as C source."""
+    return sympy.ccode(sympy.sympify(expr))
+
+
+def dim_symbol(dim: str):
+    """The size of dimension letter ``dim`` as a sympy symbol (the Q/K/V stack ``T``: 3)."""
+    return 3 if dim == "T" else sympy.Symbol(dim)
+
+
+@dataclasses.dataclass
+class Operand:
+    """One operand of an operator, resolved against its tensor's strides (in elements)."""
+
+    name: str        # C++ pointer variable
+    access: str
+    strides: dict    # loop letter -> symbolic element stride
+    base: object     # symbolic element offset from the fixed (digit) indices
+
+    def offset(self, letters=None) -> str:
+        """The C expression of the element offset ``base + sum(i_<c> * stride_c)`` over ``letters``
+        (default: all of the operand's letters)."""
+        terms = [] if self.base == 0 else [c_expr(self.base)]
+        for c, s in self.strides.items():
+            if letters is None or c in letters:
+                terms.append(f"i_{c}" if s == 1 else f"i_{c} * ({c_expr(s)})")
+        return " + ".join(terms) or "0"
+
+
+def resolve_operand(graph: LayerGraph, tensor: str, access: str) -> Operand:
+    """``tensor[access]`` of ``graph`` as an :class:`Operand` (strides from the tensor's layout).
+
+    Raises:
+        KeyError: ``graph`` has no tensor ``tensor``.
+    """
+    info = graph.tensors[tensor]
+    strides = layout_strides(info.dims, info.layout, dim_symbol)
+    res, base = {}, sympy.Integer(0)
+    for c, s in zip(access, strides):
+        if c.isdigit():
+            base += int(c) * s
+        else:
+            res[c] = s
+    return Operand(tensor, access, res, base)
+
+
+def dim_size(letter: str) -> str:
+    """The C expression of a dimension's size: its letter (a variable or constant of the generated
+    code), ``3`` for the Q/K/V stack ``T``."""
+    return "3" if letter == "T" else letter
+
+
+def linear_index(letters, index_of) -> str:
+    """The row-major linear index over ``letters`` (outermost first) as a C expression: Horner's form
+    ``((i0) * S1 + i1) * S2 + i2 ...`` with ``index_of(letter)`` as each letter's index expression."""
+    res = ""
+    for c in letters:
+        res = f"({res}) * {dim_size(c)} + {index_of(c)}" if res else index_of(c)
+    return res or "0"
+
+
+def stride_order(op: Operand, letters) -> list[str]:
+    """Letters sorted outermost first by ``op``'s strides (ties keep the given order)."""
+    def key(c):
+        s = op.strides.get(c)
+        return 0 if s is None else -_generic_stride(s)
+    return sorted(letters, key=key)
+
+
+def _generic_stride(expr) -> float:
+    """A stride evaluated at generic sizes (for ordering only)."""
+    sub = {sympy.Symbol(d): v for d, v in zip("BJKHPIU", (7, 11, 11, 13, 17, 19, 23))}
+    return float(sympy.sympify(expr).subs(sub))
+
+
+# -- contractions ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ContractionPlan:
+    """How one einsum maps to GEMM calls ``C[m, n] = alpha * A[m, k] B[k, n]`` (row-major C).
+
+    Sizes and leading dimensions are symbolic; ``batch`` lists (letter, stride in A, B, C) for the
+    loops around the call.
+    """
+
+    a: Operand
+    b: Operand
+    c: Operand
+    trans_a: bool
+    trans_b: bool
+    m: object
+    n: object
+    k: object
+    lda: object
+    ldb: object
+    ldc: object
+    batch: list
+
+
+def _group(op: Operand, letters: list[str], what: str, ref_order=None):
+    """Merge ``letters`` of one operand into a single (size, stride) if they are dense and ordered."""
+    if not letters:
+        raise LayoutError(f"{what}: empty index group")
+    order = stride_order(op, letters)
+    if ref_order is not None and order != ref_order:
+        raise LayoutError(f"{what}: index order {''.join(order)} differs from {''.join(ref_order)}")
+    for outer, inner in zip(order, order[1:]):
+        # K renames J in self-attention: compare strides with K = J.
+        gap = (op.strides[outer] - op.strides[inner] * dim_symbol(inner)).subs(sympy.Symbol("K"), sympy.Symbol("J"))
+        if sympy.simplify(gap) != 0:
+            raise LayoutError(f"{what}: dimensions {outer}{inner} of {op.name} are not adjacent in memory")
+    size = sympy.Integer(1)
+    for c in order:
+        size *= dim_symbol(c)
+    return order, size, op.strides[order[-1]]
+
+
+def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> ContractionPlan:
+    """Map ``c = einsum(a, b)`` onto a GEMM, swapping or transposing operands as the strides require.
+
+    Raises:
+        LayoutError: the operands' layouts need an explicit transpose first.
+    """
+    la, lb, lc = set(a.strides), set(b.strides), set(c.strides)
+    batch = [x for x in c.access if x in la and x in lb and not x.isdigit()]
+    m = [x for x in c.access if x in la and x not in lb and not x.isdigit()]
+    n = [x for x in c.access if x in lb and x not in la and not x.isdigit()]
+    k = [x for x in a.access if x in lb and x not in lc and not x.isdigit()]
+    stray = (la | lb | lc) - set(batch) - set(m) - set(n) - set(k)
+    if stray:
+        raise LayoutError(f"{label}: indices {''.join(sorted(stray))} appear in only one operand")
+    mo, msize, cm = _group(c, m, f"{label} (C rows)")
+    _, _, am = _group(a, m, f"{label} (A rows)", mo)
+    no, nsize, cn = _group(c, n, f"{label} (C cols)")
+    _, _, bn = _group(b, n, f"{label} (B cols)", no)
+    ko, ksize, ak = _group(a, k, f"{label} (A inner)")
+    _, _, bk = _group(b, k, f"{label} (B inner)", ko)
+    if cn != 1:
+        if cm != 1:
+            raise LayoutError(f"{label}: output {c.name} has no unit-stride GEMM dimension")
+        # C^T = B^T A^T: swap the roles of A and B.
+        a, b, am, ak, bk, bn, cm, cn, msize, nsize = b, a, bn, bk, ak, am, cn, cm, nsize, msize
+    if ak == 1:
+        trans_a, lda = False, am
+    elif am == 1:
+        trans_a, lda = True, ak
+    else:
+        raise LayoutError(f"{label}: operand {a.name} has no unit-stride GEMM dimension")
+    if bn == 1:
+        trans_b, ldb = False, bk
+    elif bk == 1:
+        trans_b, ldb = True, bn
+    else:
+        raise LayoutError(f"{label}: operand {b.name} has no unit-stride GEMM dimension")
+    batch_info = [(x, a.strides[x], b.strides[x], c.strides[x]) for x in stride_order(c, batch)]
+    return ContractionPlan(a, b, c, trans_a, trans_b, msize, nsize, ksize, lda, ldb, cm,
+                           batch_info)
