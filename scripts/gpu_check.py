@@ -210,7 +210,7 @@ def check_numerics(name: str, b: int, j: int, seed: int = 0) -> dict:
     import torch
 
     from substation.reference import ReferenceEncoderLayer
-    from substation.runtime import EncoderLayer
+    from substation import EncoderLayer
     compiled = compiled_layer(name)
     cfg = compiled.config
     layer = EncoderLayer(compiled).to(DEVICE).eval()
@@ -267,7 +267,7 @@ def check_dropout(name: str, b: int, j: int, seed: int = 0x0123456789ABCDEF) -> 
 
     from substation.ops.dropout import dropout_keep_mask
     from substation.ir.graph import DROPOUT_SITES
-    from substation.runtime import EncoderLayer
+    from substation import EncoderLayer
     compiled = compiled_layer(name)
     cfg = compiled.config
     layer = EncoderLayer(compiled).to(DEVICE)
@@ -303,7 +303,7 @@ def check_autocast(name: str, b: int, j: int) -> dict:
     import torch
 
     from substation.reference import ReferenceEncoderLayer
-    from substation.runtime import EncoderLayer
+    from substation import EncoderLayer
     compiled = compiled_layer(name)
     cfg = compiled.config
     layer = EncoderLayer(compiled).to(DEVICE).float().eval()
@@ -382,7 +382,7 @@ def bench_stage(part: str, dtype: str, b: int, seq: int, iters: int, deadline: f
     import torch
 
     from substation.reference import ReferenceEncoderLayer
-    from substation.runtime import EncoderLayer
+    from substation import EncoderLayer
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"dtype": dtype, "B": b, "L": seq, "gflop": GFLOP.get((b, seq)), "results": {}}
     write_json(part, res)

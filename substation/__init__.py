@@ -3,11 +3,11 @@
 ``substation.compile(config)`` turns an encoder config into an :class:`EncoderLayer`, a
 ``torch.nn.Module`` whose forward and backward passes run generated, BLAS-backed C++.
 """
-__version__ = "0.1.0"
-
-from .config import ConfigError, EncoderConfig, load_config  # noqa: E402
-from .interop import optimize  # noqa: E402
-from .runtime import EncoderLayer  # noqa: E402
+from .config import ConfigError, EncoderConfig, load_config
+from .interop import optimize
+from .layer import EncoderLayer
+from .pipeline import compile_layer
+from .version import __version__
 
 
 def compile(config, progress=None) -> EncoderLayer:  # noqa: A001 - the package's verb
@@ -19,7 +19,6 @@ def compile(config, progress=None) -> EncoderLayer:  # noqa: A001 - the package'
         ConfigError: an invalid config. FileNotFoundError: no such config file.
         ToolchainError, BuildError: the C++ compiler or MKL is missing, or compilation failed.
     """
-    from .pipeline import compile_layer
     return EncoderLayer(compile_layer(config, progress))
 
 

@@ -37,7 +37,7 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
     import torch
 
     from .reference import ReferenceEncoderLayer
-    from .runtime import EncoderLayer
+    from .layer import EncoderLayer
 
     fwd, bwd = compiled.forward.graph, compiled.backward.graph
     report = {"config": config.to_dict(), "sizes": config.sizes(),
@@ -110,7 +110,7 @@ def cmd_compile(args) -> int:
     from .config import load_config
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
-    from .runtime import EncoderLayer
+    from .layer import EncoderLayer
 
     config = load_config(args.config)
     if args.target or args.cuda_arch:

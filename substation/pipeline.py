@@ -14,17 +14,21 @@ import os
 import threading
 from typing import Any, Callable, Mapping
 
-from .passes.autodiff import build_backward
+import torch
+
 from .backends.cpu.build import build_libraries
 from .backends.cpu.codegen import generate_cpu
-from .config import EncoderConfig, load_config
+from .backends.cuda.build import build_cuda_libraries
+from .backends.cuda.codegen import generate_cuda
+from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
 from .ir.graph import LayerGraph, build_forward
-from .passes import fuse as fuse_graph
+from .passes.autodiff import build_backward
+from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, load_plan
-from .runtime import CompiledGraph, CompiledLayer
+from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
-__all__ = ["PASSES", "Pass", "Pipeline", "PipelineOptions", "PipelineState", "cached_compile", "compile_graphs",
-           "compile_layer"]
+__all__ = ["PASSES", "Pass", "Pipeline", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
+           "compile_graphs", "compile_layer", "compiled_from_state", "compiled_state", "rebuild_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +139,6 @@ def _layout(state: PipelineState) -> None:
 
 def _codegen(state: PipelineState) -> None:
     if state.config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
-        from .backends.cuda.codegen import generate_cuda
         if state.options.instrument:
             raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
         state.sources = {"forward": generate_cuda(state.forward), "backward": generate_cuda(state.backward)}
@@ -146,7 +149,6 @@ def _codegen(state: PipelineState) -> None:
 
 def _build(state: PipelineState) -> None:
     if state.config.target == "cuda":
-        from .backends.cuda.build import build_cuda_libraries
         state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
     else:
         state.built = build_libraries(state.sources)
@@ -266,3 +268,51 @@ def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = Tru
         if compiled is None:
             compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument)
     return compiled
+
+
+def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.device) -> CompiledLayer:
+    """The compiled layer of ``compiled``'s config for another parameter dtype and device, through the
+    build cache (``compiled`` itself when nothing changes). Used by ``.to()``, ``.double()`` etc. A
+    float16/bfloat16 layer given float32 parameters keeps its build: those are master weights, cast
+    under ``torch.autocast``.
+
+    Raises:
+        TypeError: a dtype or device the config's target does not compile (the message names what does).
+    """
+    config = compiled.config
+    names = DTYPE_NAMES
+    allowed = CUDA_DTYPES if config.target == "cuda" else DTYPES
+    runs_on = compiled.forward.device_type
+    if device.type != runs_on:
+        hint = f" (compile with target: {device.type} instead)" if device.type in ("cpu", "cuda") else ""
+        raise TypeError(f"Substation's layers of this build run on {'the CPU' if runs_on == 'cpu' else 'CUDA'} only; "
+                        f"moving them to {device} is not supported{hint}")
+    if names.get(dtype) not in allowed:
+        raise TypeError(f"Substation's target {config.target} compiles {', '.join(allowed)} layers; converting "
+                        f"them to {dtype} is not supported")
+    if names[dtype] == config.dtype or (dtype == torch.float32 and config.dtype in ("float16", "bfloat16")):
+        return compiled
+    return cached_compile(config.replace(dtype=names[dtype]), **compiled.options)
+
+
+def build_after_apply(compiled: CompiledLayer, fn) -> CompiledLayer:
+    """The build a layer needs after ``nn.Module._apply(fn)`` (``.to()``, ``.double()``, ...): ``fn`` is
+    probed on a float32 CPU tensor and :func:`rebuild_for` picks the build of the resulting dtype and
+    device, raising before any parameter is converted.
+
+    Raises:
+        TypeError: as :func:`rebuild_for`.
+    """
+    probe = fn(torch.zeros(1))
+    return rebuild_for(compiled, probe.dtype, probe.device) if probe.dtype.is_floating_point else compiled
+
+
+def compiled_state(compiled: CompiledLayer) -> tuple:
+    """What rebuilds ``compiled`` in another process (its config and build options): libraries do not pickle."""
+    return compiled.config, compiled.options
+
+
+def compiled_from_state(state: tuple) -> CompiledLayer:
+    """The inverse of :func:`compiled_state`: the layer's libraries, from the build cache when present."""
+    config, options = state
+    return cached_compile(config, **options)

@@ -22,7 +22,8 @@ from substation.backends.cuda.codegen import generate_cuda, stat_tensors, tensor
 from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer
-from substation.runtime import CompiledGraph, CompiledLayer, EncoderLayer
+from substation import EncoderLayer
+from substation.runtime import CompiledGraph, CompiledLayer
 
 TINY = load_config("tiny").replace(target="cuda")
 HEAVY_DROPOUT = {"attention": 0.3, "hidden": 0.2, "activation": 0.25}

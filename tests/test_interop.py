@@ -17,7 +17,10 @@ from transformers.masking_utils import create_bidirectional_mask  # noqa: E402
 from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
 
 from conftest import rel  # noqa: E402
-from substation.interop import SubstationLayer, drop_in, from_hf, from_torch, optimize  # noqa: E402
+from substation import EncoderLayer  # noqa: E402
+from substation.interop import SubstationLayer, drop_in, optimize  # noqa: E402
+
+from_hf, from_torch = EncoderLayer.from_hf, EncoderLayer.from_torch
 
 I, H, U, B, J = 32, 4, 48, 3, 8
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -252,7 +252,7 @@ def test_freed_memory_is_kept_between_steps(monkeypatch):
     """After warm-up a training step page-faults (almost) never: glibc keeps freed tensors' memory."""
     import resource
 
-    from substation.runtime import keep_freed_memory
+    from substation.runtime.library import keep_freed_memory
     monkeypatch.setenv("SUBSTATION_MALLOC_TUNING", "0")
     assert keep_freed_memory() is False
     monkeypatch.delenv("SUBSTATION_MALLOC_TUNING")

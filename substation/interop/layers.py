@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..pipeline import cached_compile
-from ..runtime import CompiledLayer, build_after_apply, compiled_from_state, compiled_state, run_layer
+from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
+from ..runtime import CompiledLayer, run_layer
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]

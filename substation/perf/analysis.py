@@ -36,10 +36,10 @@ from typing import Callable, Mapping
 import sympy
 
 from ..config import EncoderConfig, load_config
+from ..files import atomic_write
 from ..ir.graph import OP_CLASSES, LayerGraph, Operator
 from ..ops import op_kind
 from ..ops.kind import elements
-from ..files import atomic_write
 
 __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
@@ -47,6 +47,10 @@ __all__ = [
     "access_elements", "kind_flop", "operator_count", "count_graph", "optimized_graphs", "analyze",
     "copy_bandwidth", "measure", "differences", "format_report", "write_json", "plot_report",
 ]
+from ..backends.cpu.build import build_library
+from ..layer import EncoderLayer
+from ..pipeline import compile_graphs, compile_layer
+from ..resources import csrc_file
 
 #: The dimension symbols of the symbolic counts (``T`` is the constant 3).
 SYMBOLS: dict[str, sympy.Symbol] = {d: sympy.Symbol(d, positive=True, integer=True) for d in "BJKHPIU"}
@@ -213,7 +217,6 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
 # -- graphs --------------------------------------------------------------------------------------
 def optimized_graphs(config: EncoderConfig):
     """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's layouts."""
-    from ..pipeline import compile_graphs
     return compile_graphs(load_config(config), fuse_ops=True)
 
 
@@ -367,7 +370,6 @@ def analyze(config, optimized: bool = False) -> Analysis:
         NotImplementedError: ``optimized`` while the pipeline has no optimization stage.
         ValueError: an operator kind without a flop rule.
     """
-    from ..pipeline import compile_graphs
 
     config = load_config(config)
     sizes = config.sizes()
@@ -448,8 +450,6 @@ def _probe_library():
     """The machine-probe library (``csrc/substation_probe.cpp``), built through the build cache."""
     import ctypes
 
-    from ..backends.cpu.build import build_library
-    from ..resources import csrc_file
 
     with open(csrc_file("substation_probe.cpp")) as f:
         lib = ctypes.CDLL(build_library(f.read(), "probe").path)
@@ -523,8 +523,6 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     """
     import torch
 
-    from ..pipeline import compile_layer
-    from ..runtime import EncoderLayer
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")

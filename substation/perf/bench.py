@@ -22,7 +22,6 @@ copy bandwidth measured in the same run (:func:`substation.perf.analysis.copy_ba
 Units everywhere: seconds, bytes, bytes/s; ratios are plain numbers. See docs/performance.md.
 """
 from __future__ import annotations
-from ..files import atomic_write
 
 import contextlib
 import dataclasses
@@ -36,6 +35,13 @@ import sys
 import tempfile
 import time
 from typing import Callable, Iterable
+
+from ..config import load_config
+from ..files import atomic_write
+from ..layer import EncoderLayer
+from ..pipeline import compile_layer
+from ..reference import ReferenceEncoderLayer
+from .analysis import analyze, copy_bandwidth, fma_peak, gemm_rate, measure, operator_count
 
 __all__ = [
     "PASSES", "IMPLEMENTATIONS", "Candidate", "machine_info", "set_substation_threads", "padding_mask",
@@ -190,7 +196,6 @@ def eager_baseline(layer, attn_implementation: str = "sdpa"):
 
     Raises nothing beyond :func:`hf_bert_layer`'s construction errors.
     """
-    from ..reference import ReferenceEncoderLayer
 
     if _hf_eligible(layer.config):
         try:
@@ -344,7 +349,6 @@ def fresh_inductor_cache():
 
 def _cold_compile(config, layout=None):
     """(CompiledLayer, pipeline seconds) with an empty, temporary build cache."""
-    from ..pipeline import compile_layer
     with tempfile.TemporaryDirectory(prefix="substation-bench-cache-") as tmp, _env("SUBSTATION_CACHE_DIR", tmp):
         t0 = time.perf_counter()
         compiled = compile_layer(config, layout=layout)
@@ -363,7 +367,6 @@ def sample_stats(samples: list[float]) -> dict:
 
 
 def _apply_overrides(config, batch_size: int | None, seq_len: int | None):
-    from ..config import load_config
     config = load_config(config)
     changes = {}
     if batch_size is not None:
@@ -413,7 +416,6 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     """
     import torch
 
-    from ..runtime import EncoderLayer
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
@@ -530,7 +532,6 @@ def time_limit(config, measured_seconds: dict | None = None) -> dict:
     Raises:
         ToolchainError, BuildError: the probe library cannot be built.
     """
-    from .analysis import analyze, copy_bandwidth, fma_peak, gemm_rate
 
     an = analyze(config, optimized=True)
     flop = an.total("total", "TC")["flop"]
@@ -581,8 +582,6 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
     """
     import torch
 
-    from .analysis import measure, operator_count
-    from ..pipeline import compile_layer
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")

@@ -36,11 +36,13 @@ import os
 import time
 from typing import Callable
 
-from .bench import fresh_inductor_cache, machine_info, pyplot, sample_stats, set_substation_threads
 from ..files import atomic_write
+from .bench import fresh_inductor_cache, machine_info, pyplot, sample_stats, set_substation_threads
 
 __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "build_model", "make_batch",
            "train_step", "peak_step_bytes", "run_bench_model", "format_bench_model", "plot_bench_model"]
+from ..interop import optimize
+from ..runtime import CompiledLayer
 
 #: The bundled model names of ``--model``.
 MODELS = ("bert-base", "minilm-l6", "tiny")
@@ -286,7 +288,6 @@ def _graph_breaks() -> tuple[int, dict, int | None]:
 def _compiled_layers(model) -> tuple[int, dict]:
     """(number of modules of ``model`` that run a compiled layer, id -> each distinct
     :class:`~substation.runtime.CompiledLayer`): the modules that hold one as an attribute."""
-    from ..runtime import CompiledLayer
     count, builds = 0, {}
     for m in model.modules():
         held = [v for v in vars(m).values() if isinstance(v, CompiledLayer)]
@@ -300,7 +301,6 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
     import torch
     from torch._dynamo.utils import counters
 
-    from .. import optimize
 
     model_class = _HEAD_CLASSES[head]
     say(f"{head}: building {model_class} ({spec.name})")

@@ -37,9 +37,17 @@ import sys
 import time
 from typing import Callable
 
+from ..backends.cpu.build import build_libraries, cache_dir, cpu_id, toolchain
+from ..backends.cpu.codegen import generate_cpu
+from ..config import load_config
 from ..files import atomic_write_text
-from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution, build_problem, load_plan,
-                            op_candidates, plan_from_solution, rename_member_tensors, solve)
+from ..ir.graph import GraphBuilder
+from ..layer import EncoderLayer
+from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution, build_problem, default_solution,
+                             load_plan, op_candidates, plan_from_solution, rename_member_tensors, solve)
+from ..pipeline import compile_graphs, compile_layer
+from ..version import __version__
+from .analysis import copy_bandwidth
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
 
@@ -82,18 +90,15 @@ class TuneCache:
 
 
 def _machine_key(config, sizes: dict) -> str:
-    from .. import __version__
-    from ..backends.cpu.build import _cpu_id, toolchain
     tc = toolchain()
     threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
-    h = hashlib.sha256("\0".join([_cpu_id(), tc.cxx_version, tc.blas_version, threads, config.dtype,
+    h = hashlib.sha256("\0".join([cpu_id(), tc.cxx_version, tc.blas_version, threads, config.dtype,
                                   json.dumps(sizes, sort_keys=True), __version__]).encode())
     return h.hexdigest()[:16]
 
 
 def default_cache_path(config, sizes: dict) -> str:
     """``<build cache>/tune/<machine and sizes key>.json``."""
-    from ..backends.cpu.build import cache_dir
     return os.path.join(cache_dir(), "tune", f"{config.name}-{_machine_key(config, sizes)}.json")
 
 
@@ -104,7 +109,6 @@ def calibrate(itemsize: int = 4, cache: TuneCache | None = None) -> CostModel:
     entry = cache.get("machine") if cache else None
     if entry is None:
         import torch
-        from .analysis import copy_bandwidth
         bw, _ = copy_bandwidth(64 << 20, repeats=5)
         dtype = torch.float32 if itemsize == 4 else torch.float64
         a = torch.randn(1024, 1024, dtype=dtype)
@@ -137,7 +141,6 @@ def _cand_key(op_key: str, fp: str, cand: Candidate, kind: str) -> str:
 def _bench_graph(graph, op, cands: list[Candidate]):
     """A graph holding one copy of ``op`` per candidate (``c0``, ``c1``, ...), each on its own tensors
     ``<tensor>__c<i>`` stored in the candidate's layouts (all of them arguments)."""
-    from ..ir.graph import GraphBuilder
     b = GraphBuilder(f"tune_{graph.phase}_{op.label}", graph.config, graph.phase)
     ins, outs = graph.inputs_of(op), graph.outputs_of(op)
     for i, c in enumerate(cands):
@@ -159,7 +162,6 @@ def _bench_graph(graph, op, cands: list[Candidate]):
 
 def _transpose_graph(config, phase: str, items: list[tuple[str, str, str]]):
     """A graph of transposes: items are (dims, source layout, destination layout)."""
-    from ..ir.graph import GraphBuilder
     b = GraphBuilder(f"tune_{phase}_transposes", config, phase)
     for i, (dims, src, dst) in enumerate(items):
         b.tensor(f"src{i}", dims, "input", src)
@@ -248,8 +250,6 @@ def measure_candidates(jobs: list[tuple], config, sizes: dict, cache: TuneCache,
     """
     from tqdm import tqdm
 
-    from ..backends.cpu.build import build_libraries
-    from ..backends.cpu.codegen import generate_cpu
     itemsize = 4 if config.dtype == "float32" else 8
     todo = [(keys, g) for keys, g in jobs if any(cache.get(k) is None for k in keys)]
     bar = tqdm(total=2 * len(todo), desc=desc, unit="step", file=sys.stderr, disable=not progress or not todo)
@@ -343,8 +343,6 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
         ConfigError, FileNotFoundError: a bad config. ToolchainError, BuildError: building failed.
         LayoutInfeasible, RuntimeError: from :func:`~substation.passes.layout.solve`.
     """
-    from ..config import load_config
-    from ..pipeline import compile_graphs
     say = log or (lambda s: None)
     t_start = time.perf_counter()
     deadline = t_start + max(0.0, budget_s - 90.0)  # keep time for the solves after the last measurement
@@ -497,7 +495,6 @@ def sign_test_wins(rounds: int, alpha: float = 0.05) -> int:
 
 def _default_sol(problem: LayoutProblem, sol: Solution) -> Solution:
     """PyTorch's layouts everywhere, costed like ``sol`` (measured where measured)."""
-    from ..passes.layout import default_solution
     d = default_solution(problem)
     for key, ov in problem.ops.items():
         meas = [c for c in ov.candidates if c.measured and c.layouts == ov.default.layouts
@@ -542,9 +539,6 @@ def compare_layouts(config, plan, repeats: int = 10, warmup: int = 2, progress: 
 
     import torch
 
-    from ..config import load_config
-    from ..pipeline import compile_layer
-    from ..runtime import EncoderLayer
     say = progress or (lambda s: None)
     config = load_config(config)
     plan_obj = load_plan(plan)

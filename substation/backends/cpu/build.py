@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ...resources import csrc_dir, csrc_file
+from ...version import __version__
 
 __all__ = ["ToolchainError", "BuildError", "Toolchain", "toolchain", "cache_dir", "build_library",
            "build_libraries"]
@@ -127,7 +128,9 @@ def cache_dir() -> str:
     return path
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
+    """The CPU's model name and flag lines of ``/proc/cpuinfo`` (else ``platform.processor()``): part
+    of every key that depends on the machine (builds with ``-march=native``, tuning measurements)."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
@@ -158,9 +161,8 @@ def _header_text() -> str:
 def build_key(source: str) -> str:
     """SHA-256 over everything that changes the compiled library."""
     tc = toolchain()
-    from ... import __version__
     h = hashlib.sha256()
-    for part in (source, _header_text(), tc.cxx_version, " ".join(FLAGS), tc.blas_version, _cpu_id(),
+    for part in (source, _header_text(), tc.cxx_version, " ".join(FLAGS), tc.blas_version, cpu_id(),
                  __version__):
         h.update(part.encode())
         h.update(b"\0")

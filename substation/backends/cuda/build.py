@@ -34,8 +34,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from ..cpu.build import BuildResult, ToolchainError, cached_build, find_cxx
 from ...resources import csrc_dir, csrc_file
+from ...version import __version__
+from ..cpu.build import BuildResult, ToolchainError, cached_build, find_cxx
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
            "emulation_toolchain", "arch_number"]
@@ -266,7 +267,6 @@ def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emu
     """
     arch_number(arch)
     probe_cmd, ident = _command("source.cu", "lib.so", arch, emulate)
-    from ... import __version__
     h = hashlib.sha256()
     for part in (source, _header_text(), ident, " ".join(probe_cmd[1:]), str(emulate), __version__):
         h.update(part.encode())

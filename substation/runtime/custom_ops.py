@@ -1,0 +1,213 @@
+"""The compiled layer as PyTorch custom operators (``torch.library``): ``substation::layer_forward`` and
+``substation::layer_backward``, opaque to ``torch.compile``, ``torch.export`` and ``torch.jit.trace``, with
+fake implementations for shapes and a registered backward; :func:`run_layer` checks a call and runs it.
+
+Dimension letters: B batch, J query positions, K key positions (J = K), I hidden size.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import EncoderConfig
+from .library import CompiledLayer, parameter_names, registered_layer
+
+__all__ = ["check_mask", "key_mask", "run_layer"]
+
+
+def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
+    return compiled.forward.dtypes.get("mask", compiled.forward.dtype)
+
+
+def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq: int,
+             dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive key mask ``[B, K]`` of ``dtype`` (0 = attend, -inf or the given value = masked) that
+    the compiled code reads, from a mask whose shape :func:`check_mask` accepted.
+
+    A bool or integer mask marks keys to attend (``attend_marks_true``, Hugging Face) or padding
+    (PyTorch's ``key_padding_mask``); a float mask is additive. A 4-D ``[B, 1, J, K]`` mask must be
+    the same for every query j; it is reduced to its first row (checked here, on the data: this runs
+    inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
+
+    Raises:
+        ValueError: a ``[B, 1, J, K]`` mask whose rows differ between queries.
+    """
+    if mask is None:
+        return None
+    if mask.dim() == 4:
+        if mask.shape[2] > 1 and mask.stride(2) != 0 and not bool((mask == mask[:, :, :1, :]).all()):
+            raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
+                             "(and mask: causal in the config) are supported")
+        mask = mask[:, 0, 0, :]
+    mask = mask.expand(batch, seq)
+    if mask.dtype == torch.bool or not mask.is_floating_point():
+        attend = mask.bool() if attend_marks_true else ~mask.bool()
+        return torch.zeros(batch, seq, dtype=dtype, device=mask.device).masked_fill_(~attend, float("-inf"))
+    return mask.to(dtype).contiguous()
+
+
+@torch.library.custom_op("substation::layer_forward", mutates_args=())
+def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
+                   params: list[torch.Tensor], seed: torch.Tensor, training: bool) -> list[torch.Tensor]:
+    compiled = registered_layer(key)
+    b, j, _ = x.shape
+    given = {"X": x, **dict(zip(parameter_names(compiled.config), params))}
+    if compiled.config.mask != "none":
+        m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
+        given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
+    out = compiled.forward(given, b, j, int(seed.item()), training)
+    return [out[n] for n in compiled.produced_names]
+
+
+@_layer_forward.register_fake
+def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training):
+    compiled = registered_layer(key)
+    sizes = compiled.config.sizes(x.shape[0], x.shape[1])
+    info = {t.name: t for t in compiled.forward.produced}
+    return [x.new_empty(info[n].shape(sizes), dtype=compiled.forward.dtypes[n]) for n in compiled.produced_names]
+
+
+@torch.library.custom_op("substation::layer_backward", mutates_args=())
+def _layer_backward(key: str, dy: torch.Tensor, saved: list[torch.Tensor], seed: torch.Tensor,
+                    training: bool) -> list[torch.Tensor]:
+    compiled = registered_layer(key)
+    b, j, _ = dy.shape
+    given = dict(zip(compiled.saved_names, saved))
+    given["dY"] = dy
+    grads = compiled.backward(given, b, j, int(seed.item()), training)
+    return [grads["dX"]] + [grads[f"d{n}"] for n in parameter_names(compiled.config)]
+
+
+@_layer_backward.register_fake
+def _layer_backward_fake(key, dy, saved, seed, training):
+    compiled = registered_layer(key)
+    sizes = compiled.config.sizes(dy.shape[0], dy.shape[1])
+    info = {t.name: t for t in compiled.backward.args}
+    return [torch.empty_like(dy)] + [dy.new_empty(info[f"d{n}"].shape(sizes), dtype=compiled.backward.dtypes[f"d{n}"])
+                                     for n in parameter_names(compiled.config)]
+
+
+def _layer_setup_context(ctx, inputs, output):
+    key, x, _, _, params, seed, training = inputs
+    compiled = registered_layer(key)
+    env = {"X": x, **dict(zip(parameter_names(compiled.config), params)), **dict(zip(compiled.produced_names, output))}
+    ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
+    ctx.key, ctx.training = key, training
+    ctx.shapes = (x.shape, [p.shape for p in params], x.dtype)
+
+
+def _layer_grad(ctx, grads):
+    seed, *saved = ctx.saved_tensors
+    x_shape, param_shapes, x_dtype = ctx.shapes
+    dy = grads[0]
+    if dy is None:
+        dy = torch.zeros(x_shape, dtype=x_dtype, device=seed.device)
+    dx, *dparams = _layer_backward(ctx.key, dy.contiguous().to(x_dtype), saved, seed, ctx.training)
+    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None
+
+
+torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_context=_layer_setup_context)
+
+
+def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a layer of ``dtype`` casts float32 inputs and parameters to its dtype: autocast is
+    enabled for ``device_type`` and the layer is float16 or bfloat16 (it always computes in its
+    compiled dtype; a float32 or float64 layer ignores autocast)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return bool(torch.is_autocast_enabled(device_type))
+
+
+def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
+               what: str) -> None:
+    """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
+
+    Accepted shapes: ``[B, K]``, ``[B, 1, 1, K]``, ``[B, 1, J, K]`` (B may also be 1, broadcast).
+
+    Raises:
+        ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
+        TypeError: not a tensor, or an unsupported dtype.
+    """
+    if config.mask == "none":
+        raise ValueError("this layer was compiled with mask: none; compile with mask: padding to pass a mask")
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{what} must be None or a tensor, got {type(mask).__name__}")
+    if mask.device.type != device.type:
+        raise ValueError(f"the mask must be on the {'CPU' if device.type == 'cpu' else device.type.upper()} "
+                         f"like hidden_states, got device {mask.device}")
+    if not (mask.dtype == torch.bool or mask.is_floating_point()
+            or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8)):
+        raise TypeError(f"unsupported {what} dtype {mask.dtype}")
+    shape = tuple(mask.shape)
+    ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
+         (len(shape) == 4 and shape[0] in (1, batch) and shape[1] == 1 and shape[2] in (1, seq) and shape[3] == seq)
+    if not ok:
+        raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], [B, 1, 1, K] or [B, 1, J, K]; "
+                         f"got {shape}")
+
+
+def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "list[torch.Tensor]",
+              training: bool, attention_mask: torch.Tensor | None = None,
+              key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in :func:`parameter_names`
+    order for its config, PyTorch's shapes) through the ``substation::layer_forward`` operator; differentiable in the
+    input and every parameter (the backward library runs in ``substation::layer_backward``).
+
+    ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, ``[B, 1, 1, K]``
+    or ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys to attend with
+    True/1. ``key_padding_mask`` follows PyTorch: bool ``[B, K]``, True marks padding. Boolean masks
+    become 0 / -inf. ``training`` with a dropout probability > 0 draws a fresh seed from PyTorch's
+    generator (so ``torch.manual_seed`` and checkpoint recomputation reproduce the dropout masks).
+
+    Raises:
+        TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
+        ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
+            sequence, the wrong number of parameters, parameters on the meta device (not yet loaded), or a
+            bad mask (see :func:`check_mask`).
+    """
+    config = compiled.config
+    x = hidden_states
+    dtype = compiled.forward.dtype
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != config.hidden_size:
+        raise ValueError(f"hidden_states must have shape [B, J, I] with I = {config.hidden_size}; got {tuple(x.shape)}")
+    device_type = compiled.forward.device_type
+    where = "the CPU" if device_type == "cpu" else "CUDA"
+    if x.device.type != device_type:
+        raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}"
+                         + ("" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"))
+    cast = _autocast_casts(x.device.type, dtype)
+    if x.dtype != dtype:
+        if not (cast and x.dtype == torch.float32):
+            raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {dtype}")
+        x = x.to(dtype)
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
+    if cast:
+        params = [p.to(dtype) if p.dtype == torch.float32 else p for p in params]
+    names = parameter_names(config)
+    if len(params) != len(names):
+        raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
+    for n, p in zip(names, params):
+        if p.is_meta:
+            raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
+                             f"before running the layer")
+        if p.dtype != dtype or p.device.type != device_type or (device_type != "cpu" and p.device != x.device):
+            raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
+                            f"{dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
+    b, j, _ = x.shape
+    if attention_mask is not None and key_padding_mask is not None:
+        raise ValueError("pass either attention_mask or key_padding_mask, not both")
+    mask, what = (attention_mask, "attention_mask") if key_padding_mask is None else (key_padding_mask, "key_padding_mask")
+    if mask is not None:
+        check_mask(mask, b, j, x.device, config, what)
+        if key_padding_mask is not None and (mask.dtype != torch.bool or mask.dim() != 2):
+            raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), got {mask.dtype} "
+                            f"{tuple(mask.shape)}")
+    training = training and any(v > 0 for v in config.dropout.probabilities())
+    seed = torch.randint(0, 2 ** 62, (1,)) if training else torch.zeros(1, dtype=torch.int64)
+    outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
+                             [p if p.is_contiguous() else p.contiguous() for p in params], seed, training)
+    return outputs[0]

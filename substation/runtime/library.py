@@ -1,0 +1,230 @@
+"""Loaded libraries: :class:`CompiledGraph` (one generated library behind ctypes, callable on torch
+tensors), :class:`CompiledLayer` (a layer's forward and backward libraries) and the per-process registry
+the custom operators find layers in; dtype tables and the parameter list of a config."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import threading
+
+import torch
+
+from ..backends.cpu.codegen import tensor_dtypes as cpu_tensor_dtypes
+from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
+from ..config import EncoderConfig
+from ..ir.graph import LayerGraph, TensorInfo, parameters
+
+__all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
+           "keep_freed_memory", "parameter_names", "register_layer", "registered_layer"]
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: Every config dtype, including target cuda's half precisions (TORCH_DTYPES: the CPU's).
+ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: torch dtype -> config dtype name.
+DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
+
+
+def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
+    """The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer;
+    ``norm_type: rms_norm`` has no ``norm1_bias`` / ``norm2_bias``): :func:`substation.ir.graph.parameters`."""
+    return tuple(parameters(config))
+
+
+#: :func:`parameter_names` of a layer-norm layer (the default ``norm_type``).
+PARAMETER_NAMES = parameter_names(EncoderConfig())
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS (process-wide).
+
+    The tensors a layer saves for backward are freed after every step; when glibc unmaps them, the
+    next step page-faults on fresh pages (about 2,900 faults per BERT-base step here, 300 with this
+    setting). Called once when the first :class:`CompiledGraph` loads, unless the environment sets
+    ``SUBSTATION_MALLOC_TUNING=0``; it affects PyTorch eager in the same process alike.
+
+    Returns:
+        True if the settings were applied (glibc found and tuning not disabled).
+    """
+    if os.environ.get("SUBSTATION_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
+
+
+class CompiledGraph:
+    """One loaded library of a :class:`LayerGraph`, callable on torch tensors.
+
+    Raises:
+        RuntimeError: the library's argument signature does not match the graph (a stale or foreign build).
+    """
+
+    _malloc_tuned = False
+
+    def __init__(self, graph: LayerGraph, path: str):
+        if not CompiledGraph._malloc_tuned:
+            CompiledGraph._malloc_tuned = True
+            keep_freed_memory()
+        self.graph = graph
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.args: list[TensorInfo] = [t for t in graph.tensors.values() if t.role != "temp"]
+        self.lib.substation_signature.restype = ctypes.c_char_p
+        sig = self.lib.substation_signature().decode()
+        if sig != ",".join(t.name for t in self.args):
+            raise RuntimeError(f"library {path} does not match the {graph.phase} graph (signature {sig!r})")
+        target = getattr(self.lib, "substation_target", None)
+        if target is not None:
+            target.restype = ctypes.c_char_p
+        #: ``cpu``, ``cuda`` (codegen_cuda) or ``cuda-emulated`` (CUDA code built to run on the CPU, for tests).
+        self.target = target().decode() if target is not None else "cpu"
+        #: Device type of the tensors the library reads and writes.
+        self.device_type = "cuda" if self.target == "cuda" else "cpu"
+        self._stream_arg = () if self.target == "cpu" else (None,)
+        self._run = self.lib.substation_run
+        self._run.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p,
+                              ctypes.c_uint64, ctypes.c_int32] + ([ctypes.c_void_p] if self._stream_arg else [])
+        self._run.restype = ctypes.c_int
+        self._ws = self.lib.substation_workspace_bytes
+        self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        self._ws.restype = ctypes.c_int64
+        self.dtype = ALL_TORCH_DTYPES[graph.config.dtype]
+        #: dtype of each argument tensor (normalization statistics: float64 on the CPU, the compute type in CUDA).
+        dtypes = (cpu_tensor_dtypes if self.target == "cpu" else cuda_tensor_dtypes)(graph)
+        self.dtypes = {t.name: ALL_TORCH_DTYPES[dtypes[t.name]] for t in self.args}
+        # Temporaries live only during a call: one workspace is reused (fresh pages would fault
+        # on every call); a concurrent call from another thread gets its own.
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._workspace_lock = threading.Lock()
+        self.instrumented = hasattr(self.lib, "substation_op_names")
+        if self.instrumented:
+            self.lib.substation_op_names.restype = ctypes.c_char_p
+            self.op_names = self.lib.substation_op_names().decode().split(",")
+        self.produced = [t for t in self.args if t.role in ("output", "saved") and t.name in self._written()]
+
+    def op_seconds(self, reset: bool = True) -> dict[str, float]:
+        """Seconds spent in each operator since the last reset (instrumented builds only).
+
+        Raises:
+            RuntimeError: the library was built without ``instrument=True``.
+        """
+        if not self.instrumented:
+            raise RuntimeError("this library was built without per-operator timers (instrument=True)")
+        out = (ctypes.c_double * len(self.op_names))()
+        self.lib.substation_op_seconds(out, int(reset))
+        return dict(zip(self.op_names, out))
+
+    def _written(self) -> set[str]:
+        names = set()
+        for op in self.graph.operators():
+            names.update(t for t, _ in self.graph.outputs_of(op).values())
+        return names
+
+    def __call__(self, given: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
+                 training: bool = False) -> dict[str, torch.Tensor]:
+        """Run the graph. ``given`` maps every input, parameter and (backward) saved tensor name to a
+        contiguous tensor of the graph's dtype (:attr:`dtypes`) on :attr:`device_type` (CUDA: all on
+        one device); returns the tensors the graph writes (outputs and forward-saved tensors), freshly
+        allocated. A CUDA library queues its work on PyTorch's current stream of that device.
+
+        Raises:
+            ValueError: CUDA tensors on different devices. RuntimeError: the library failed."""
+        sizes = self.graph.config.sizes(batch, seq)
+        device = torch.device("cpu")
+        if self.device_type == "cuda":
+            device = next(iter(given.values())).device
+            bad = sorted(n for n, v in given.items() if v.device != device)
+            if bad:
+                raise ValueError(f"tensors {', '.join(bad)} are not on {device}")
+        produced = {t.name: torch.empty(t.shape(sizes), dtype=self.dtypes[t.name], device=device)
+                    for t in self.produced}
+        tensors = {**given, **produced}
+        ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
+        dims = (ctypes.c_int64 * 3)(batch, seq, seq)
+        need = self._ws(dims)
+        if self.device_type == "cuda":
+            # A fresh workspace from PyTorch's caching allocator: stream-ordered, safe across streams.
+            with torch.cuda.device(device):
+                ws = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+                stream = torch.cuda.current_stream(device).cuda_stream
+                rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), stream)
+        elif self._workspace_lock.acquire(blocking=False):
+            try:
+                if self._workspace.numel() < need:
+                    self._workspace = torch.empty(need, dtype=torch.uint8)
+                rc = self._run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training),
+                               *self._stream_arg)
+            finally:
+                self._workspace_lock.release()
+        else:
+            ws = torch.empty(need, dtype=torch.uint8)
+            rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), *self._stream_arg)
+        if rc != 0:
+            detail = ""
+            if hasattr(self.lib, "substation_last_error"):
+                self.lib.substation_last_error.restype = ctypes.c_char_p
+                detail = ": " + self.lib.substation_last_error().decode(errors="replace")
+            raise RuntimeError(f"{self.graph.phase} library returned error code {rc}{detail}")
+        return produced
+
+
+@dataclasses.dataclass
+class CompiledLayer:
+    """The compiled forward and backward graphs of one config plus build facts.
+
+    Attributes:
+        config: the encoder config.
+        forward, backward: the loaded graphs.
+        build_seconds: compile time of each library (0 when it came from the cache).
+        sources: generated C++ source of each graph.
+        options: the keyword arguments of :func:`substation.pipeline.compile_layer` that produced it
+            (``fuse``, ``layout``, ``instrument``), so it can be rebuilt (e.g. after unpickling).
+    """
+
+    config: EncoderConfig
+    forward: CompiledGraph
+    backward: CompiledGraph
+    build_seconds: dict
+    sources: dict
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.key = register_layer(self)
+
+    @property
+    def saved_names(self) -> list[str]:
+        """Tensors the backward graph reads besides dY: forward tensors and parameters."""
+        return [t.name for t in self.backward.args if t.role in ("saved", "param")]
+
+    @property
+    def produced_names(self) -> list[str]:
+        """Tensors the forward library writes: ``Y`` first, then those saved for backward."""
+        names = [t.name for t in self.forward.produced]
+        return ["Y"] + [n for n in names if n != "Y"]
+
+
+# Operators take no Python objects: they reach their layer's libraries through a per-process key.
+_REGISTRY: dict[str, CompiledLayer] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_layer(compiled: CompiledLayer) -> str:
+    """A new per-process key under which :func:`registered_layer` finds ``compiled``."""
+    with _REGISTRY_LOCK:
+        key = f"{compiled.config.name}#{len(_REGISTRY)}"
+        _REGISTRY[key] = compiled
+    return key
+
+
+def registered_layer(key: str) -> CompiledLayer:
+    """The layer registered under ``key``.
+
+    Raises:
+        KeyError: no layer has that key in this process.
+    """
+    return _REGISTRY[key]
