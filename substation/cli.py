@@ -36,8 +36,8 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
     PyTorch eager in the layer's dtype (CUDA events); without one only the build is reported."""
     import torch
 
-    from .reference import ReferenceEncoderLayer
     from .layer import EncoderLayer
+    from .reference import ReferenceEncoderLayer
 
     fwd, bwd = compiled.forward.graph, compiled.backward.graph
     report = {"config": config.to_dict(), "sizes": config.sizes(),
@@ -106,11 +106,11 @@ def cmd_compile(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .perf.bench import Candidate, interleaved_times
     from .config import load_config
+    from .layer import EncoderLayer
+    from .perf.timing import Candidate, interleaved_times
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
-    from .layer import EncoderLayer
 
     config = load_config(args.config)
     if args.target or args.cuda_arch:
@@ -209,7 +209,8 @@ def cmd_graphs(args) -> int:
 
 def cmd_report(args) -> int:
     """``substation report``: flop and data-movement analysis of a config's graphs (see docs/analysis.md)."""
-    from .perf.analysis import analyze, format_kernels, format_report, measure, plot_report, write_json
+    from .perf.analysis import analyze, measure
+    from .perf.report import format_kernels, format_report, plot_report, write_json
 
     if args.kernels:
         extra = [flag for flag, on in (("--optimized", args.optimized), ("--measure", args.measure),
@@ -241,7 +242,7 @@ def cmd_report(args) -> int:
 
 def cmd_bench(args) -> int:
     """``substation bench``: Substation vs PyTorch eager vs torch.compile, or ``--kernels`` (docs/performance.md)."""
-    from .perf import bench
+    from .perf import bench, bench_report
 
     if args.repeats < 1 or args.warmup < 0:
         print(f"substation: error: need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}",
@@ -252,21 +253,21 @@ def cmd_bench(args) -> int:
     if args.kernels:
         result = bench.kernel_table(args.config, repeats=args.repeats, warmup=args.warmup,
                                     batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout)
-        text, plot = bench.format_kernels(result), bench.plot_kernels
+        text, plot = bench_report.format_kernels(result), bench_report.plot_kernels
     else:
         result = bench.run_bench(args.config, repeats=args.repeats, warmup=args.warmup, batch_size=args.batch_size,
                                  seq_len=args.seq_len, include_compile=not args.no_compile, hf_attn=args.hf_attn,
-                                 layout=args.layout, progress=bench._progress)
-        text, plot = bench.format_bench(result), bench.plot_bench
+                                 layout=args.layout,
+                                 progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+        text, plot = bench_report.format_bench(result), bench_report.plot_bench
     print(text)
-    return _write_outputs(args, result, bench.write_json, plot)
+    return _write_outputs(args, result, bench_report.write_json, plot)
 
 
 def cmd_bench_model(args) -> int:
     """``substation bench-model``: a whole training step of a Hugging Face BERT with and without
     ``substation.optimize``, eager and under torch.compile (docs/performance.md)."""
-    from .perf import bench
-    from .perf import bench_model
+    from .perf import bench_model, bench_report
 
     for flag, value, least in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1),
                                ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
@@ -283,7 +284,7 @@ def cmd_bench_model(args) -> int:
         print(f"substation: error: {e}", file=sys.stderr)
         return 2
     print(bench_model.format_bench_model(result))
-    return _write_outputs(args, result, bench.write_json, bench_model.plot_bench_model)
+    return _write_outputs(args, result, bench_report.write_json, bench_model.plot_bench_model)
 
 
 def _write_outputs(args, result, write_json, plot) -> int:
@@ -444,8 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point of the ``substation`` command. Returns the exit status."""
     from .backends.cpu.build import BuildError, ToolchainError
-    from .ir.operands import LayoutError
     from .config import ConfigError
+    from .ir.operands import LayoutError
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
     try:

@@ -9,7 +9,7 @@ import pytest
 import sympy
 
 from substation import pipeline
-from substation.perf import analysis
+from substation.perf import analysis, report
 from substation.perf.analysis import analyze, count_graph, kind_flop
 from substation.cli import main
 from substation.config import load_config
@@ -300,15 +300,15 @@ def test_measure_tiny(tmp_path):
     assert math.isclose(sum(a.shares()["total"][c]["time_pct"] for c in ("TC", "SN", "EW")), 100.0)
     o = a.operators[0]
     assert math.isclose(o.efficiency(m.copy_bandwidth), o.bytes / (o.seconds * m.copy_bandwidth))
-    text = analysis.format_report(a)
+    text = report.format_report(a)
     assert "copy bandwidth" in text and "eff %" in text
     path = tmp_path / "m.json"
-    analysis.write_json(a, str(path))
+    report.write_json(a, str(path))
     data = json.loads(path.read_text())
     assert data["measured"]["copy_bandwidth"] == m.copy_bandwidth
     assert all(op["seconds"] > 0 for op in data["operators"])
     assert {"seconds", "bandwidth", "efficiency"} <= set(data["totals"]["total"]["all"])
-    analysis.plot_report(a, str(tmp_path / "m.png"))
+    report.plot_report(a, str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").stat().st_size > 10_000
 
 

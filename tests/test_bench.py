@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from substation.perf import bench
+from substation.perf import bench, bench_report, timing
 from substation.cli import main
 from substation.config import load_config
 
@@ -81,7 +81,7 @@ def check_limit(lim, cfg, measured):
 def test_machine_probes():
     """The GEMM probe does the flop it claims (it is never above the FMA peak by more than noise) and
     bad arguments are rejected by name."""
-    from substation.perf.analysis import fma_peak, gemm_rate
+    from substation.perf.probes import fma_peak, gemm_rate
 
     for dtype in ("float32", "float64"):
         peak, rate = fma_peak(dtype), gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)])
@@ -116,7 +116,7 @@ def test_bench_no_compile_overrides_and_reference_eager():
     assert r["implementations"]["eager"]["label"] == "substation.reference.ReferenceEncoderLayer"
     assert r["config"]["name"] == "tiny-b3-l5" and r["config"]["layer_norm"] == "pre"
     assert "rows 1..2 padded from position 3" in r["mask"]
-    text = bench.format_bench(r)
+    text = bench_report.format_bench(r)
     assert "torch.compile skipped" in text
 
 
@@ -147,7 +147,7 @@ def test_saved_tensor_bytes_counts_unique_storages_only():
     def fwd():
         e = torch.exp(x * w)          # mul saves x and w (excluded); exp saves its output e (800 bytes)
         return (e * e[:50].repeat(2)).sum()  # mul saves e (again) and the repeat's result (800 bytes)
-    y, nbytes, count = bench.saved_tensor_bytes(fwd, exclude=[w, x])
+    y, nbytes, count = timing.saved_tensor_bytes(fwd, exclude=[w, x])
     assert (nbytes, count) == (1600, 2)
     y.backward()
 
@@ -161,13 +161,13 @@ def test_interleaved_times_rotates_and_validates():
         def call(t):
             order.append(name)
             return t * p
-        return bench.Candidate(name, call, [p])
+        return timing.Candidate(name, call, [p])
     x, dy = torch.ones(3), torch.ones(3)
-    out = bench.interleaved_times([cand("a"), cand("b")], x, dy, repeats=2, warmup=1)
+    out = timing.interleaved_times([cand("a"), cand("b")], x, dy, repeats=2, warmup=1)
     assert order == ["a", "b", "a", "b", "b", "a"]
     assert {len(v) for r in out.values() for v in r.values()} == {2}
     with pytest.raises(ValueError):
-        bench.interleaved_times([cand("a")], x, dy, repeats=0)
+        timing.interleaved_times([cand("a")], x, dy, repeats=0)
 
 
 def test_bench_cli_errors(capsys):

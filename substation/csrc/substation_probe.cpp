@@ -1,4 +1,4 @@
-// Machine probes for the bench's limit (substation.perf.analysis.gemm_rate, fma_peak): the BLAS's GEMM
+// Machine probes for the bench's limit (substation.perf.probes.gemm_rate, fma_peak): the BLAS's GEMM
 // rate and the FMA peak of the cores, both on the OpenMP threads the generated code uses.
 #include <mkl_cblas.h>
 #include <omp.h>

@@ -37,7 +37,9 @@ import time
 from typing import Callable
 
 from ..files import atomic_write
-from .bench import fresh_inductor_cache, machine_info, pyplot, sample_stats, set_substation_threads
+from .bench_report import pyplot
+from .probes import machine_info
+from .timing import fresh_inductor_cache, sample_stats, set_substation_threads
 
 __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "build_model", "make_batch",
            "train_step", "peak_step_bytes", "run_bench_model", "format_bench_model", "plot_bench_model"]

@@ -47,7 +47,7 @@ from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, So
                              load_plan, op_candidates, plan_from_solution, rename_member_tensors, solve)
 from ..pipeline import compile_graphs, compile_layer
 from ..version import __version__
-from .analysis import copy_bandwidth
+from .probes import copy_bandwidth
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
 

@@ -1,0 +1,181 @@
+"""Machine probes: the copy bandwidth, the GEMM rate and the FMA peak measured on this machine, and
+the facts benchmarks record with every figure (CPU model, vector ISA, threads, versions).
+
+Units: bytes, bytes/s, flop/s, seconds."""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import platform
+import statistics
+import time
+
+from ..backends.cpu.build import build_library
+from ..resources import csrc_file
+
+__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "machine_info"]
+
+
+def _l3_bytes() -> int:
+    """The largest CPU cache in bytes (from sysfs), 32 MiB when unknown."""
+    best = 0
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+            best = max(best, int(text.rstrip("KkMmGg")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 32 << 20
+
+
+class CopyTimer:
+    """Times one STREAM-like copy ``dst.copy_(src)`` (torch, all threads) of float64 buffers per call.
+
+    Buffers are ``buffer_bytes`` each (default 4x the largest cache, at least 64 MiB); two untimed
+    copies at construction touch every page.
+    """
+
+    def __init__(self, buffer_bytes: int | None = None):
+        import torch
+
+        n = int(buffer_bytes or max(4 * _l3_bytes(), 64 << 20)) // 8
+        self.buffer_bytes = n * 8
+        self._src = torch.ones(n, dtype=torch.float64)
+        self._dst = torch.empty_like(self._src)
+        self._dst.copy_(self._src)
+        self._dst.copy_(self._src)
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        self._dst.copy_(self._src)
+        self.seconds.append(time.perf_counter() - t0)
+
+    def bandwidth(self) -> float:
+        """Bytes/s of the median timed copy, counting read + write = 2 x buffer bytes as STREAM does."""
+        return 2 * self.buffer_bytes / statistics.median(self.seconds)
+
+
+def copy_bandwidth(buffer_bytes: int | None = None, repeats: int = 10) -> tuple[float, int]:
+    """STREAM-like copy bandwidth: median over ``repeats`` of ``dst.copy_(src)`` (torch, all threads).
+
+    Args:
+        buffer_bytes: bytes per buffer; default 4x the largest cache (at least 64 MiB).
+        repeats: timed copies (two untimed ones come first).
+
+    Returns:
+        (bytes/s, counting read + write = 2 x buffer bytes per copy as STREAM does; buffer bytes).
+
+    Raises:
+        ValueError: ``repeats`` < 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    timer = CopyTimer(buffer_bytes)
+    for _ in range(repeats):
+        timer()
+    return timer.bandwidth(), timer.buffer_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_library():
+    """The machine-probe library (``csrc/substation_probe.cpp``), built through the build cache."""
+    import ctypes
+
+
+    with open(csrc_file("substation_probe.cpp")) as f:
+        lib = ctypes.CDLL(build_library(f.read(), "probe").path)
+    lib.substation_probe_gemm_seconds.restype = ctypes.c_double
+    lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
+    lib.substation_probe_fma_flops.restype = ctypes.c_double
+    lib.substation_probe_fma_flops.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    return lib
+
+
+def _probe_dtype(dtype: str) -> int:
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be float32 or float64 (the CPU target's dtypes), got {dtype!r}")
+    return int(dtype == "float64")
+
+
+def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5) -> float:
+    """The BLAS's GEMM rate in flop/s: the best over ``shapes`` (``(m, n, k)`` tuples) of 2 m n k /
+    seconds of the fastest of ``repeats`` row-major ``C[m, n] = A[m, k] B[k, n]`` calls of
+    ``cblas_sgemm`` (``float32``) or ``cblas_dgemm`` (``float64``) of the library the generated code
+    links (MKL), on the generated code's OpenMP threads; one untimed call per shape comes first.
+
+    Raises:
+        ValueError: another dtype, no shapes, a size < 1 or ``repeats`` < 1.
+        ToolchainError, BuildError: the probe library cannot be built.
+    """
+    use_double = _probe_dtype(dtype)
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
+        raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
+    lib = _probe_library()
+    return max(2.0 * m * n * k / lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double)
+               for m, n, k in shapes)
+
+
+def fma_peak(dtype: str = "float32", iterations: int = 30_000_000, repeats: int = 3) -> float:
+    """The cores' fused-multiply-add peak in flop/s (2 flop per FMA lane), the best of ``repeats``
+    runs in which every OpenMP thread runs 12 independent chains of ``iterations`` FMAs on the widest
+    vectors of the build (AVX-512, AVX2 or scalar); an upper bound for any GEMM of ``dtype`` on
+    these threads.
+
+    Raises:
+        ValueError: another dtype, ``iterations`` < 1 or ``repeats`` < 1.
+        ToolchainError, BuildError: the probe library cannot be built.
+    """
+    use_double = _probe_dtype(dtype)
+    if iterations < 1 or repeats < 1:
+        raise ValueError(f"need iterations >= 1 and repeats >= 1, got {iterations} and {repeats}")
+    return max(_probe_library().substation_probe_fma_flops(iterations, use_double) for _ in range(repeats))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _cpu_isa() -> list[str]:
+    """The vector-ISA flags that matter for GEMMs (from /proc/cpuinfo), plus ``hypervisor`` on a VM."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "hypervisor")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in flags]
+    except OSError:
+        pass
+    return []
+
+
+def machine_info() -> dict:
+    """What the run ran on: ``cpu`` (model name), ``isa`` (vector-ISA flags), ``cores`` (logical CPUs), ``threads``
+    (``torch.get_num_threads()``, used by every implementation), ``load_average`` (1, 5, 15 min),
+    library versions and ``OMP_WAIT_POLICY``. Raises nothing."""
+    import torch
+    try:
+        import transformers
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {"cpu": _cpu_model(), "isa": _cpu_isa(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "load_average": load, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": hf, "platform": platform.platform(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
