@@ -37,6 +37,7 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
     import torch
 
     from .layer import EncoderLayer
+    from .perf.baselines import padding_mask
     from .reference import ReferenceEncoderLayer
 
     fwd, bwd = compiled.forward.graph, compiled.backward.graph
@@ -52,10 +53,8 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
         ref.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
         torch.manual_seed(0)
         x = torch.randn(b, j, config.hidden_size, device="cuda")
-        mask = None
-        if config.mask != "none":
-            mask = torch.zeros(b, j, device="cuda")
-            mask[b // 2:, j * 3 // 4:] = float("-inf")
+        mask = padding_mask(config, b, j, torch.float32)
+        mask = None if mask is None else mask.cuda()
         xs, ms = x.to(layer.torch_dtype), None if mask is None else mask.to(layer.torch_dtype)
         layer.eval(), ref.eval()
         with torch.no_grad():
@@ -108,6 +107,7 @@ def cmd_compile(args) -> int:
 
     from .config import load_config
     from .layer import EncoderLayer
+    from .perf.baselines import padding_mask
     from .perf.timing import Candidate, interleaved_times
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
@@ -137,10 +137,7 @@ def cmd_compile(args) -> int:
     b, j = config.batch_size, config.max_seq_len
     torch.manual_seed(0)
     x = torch.randn(b, j, config.hidden_size, dtype=layer.torch_dtype)
-    mask = None
-    if config.mask != "none":
-        mask = torch.zeros(b, j, dtype=layer.torch_dtype)
-        mask[b // 2:, j * 3 // 4:] = float("-inf")  # pad the second half of the batch
+    mask = padding_mask(config, b, j, layer.torch_dtype)
     layer.eval(), ref.eval()
     with torch.no_grad():
         y, y_ref = layer(x, mask), ref(x, mask)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from typing import Callable, Mapping
 
 import sympy
@@ -46,6 +45,7 @@ __all__ = [
 from ..layer import EncoderLayer
 from ..pipeline import compile_graphs, compile_layer
 from .probes import CopyTimer
+from .timing import Candidate, time_step
 
 #: The dimension symbols of the symbolic counts (``T`` is the constant 3).
 SYMBOLS: dict[str, sympy.Symbol] = {d: sympy.Symbol(d, positive=True, integer=True) for d in "BJKHPIU"}
@@ -418,19 +418,15 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     per_op: dict = {}
     per_pass: dict = {"forward": [], "backward": []}
     copy = CopyTimer(copy_bytes)
+    step = Candidate("substation", lambda xg: layer(xg, attention_mask=mask), list(layer.parameters()))
     for r in range(warmup + repeats):
         compiled.forward.op_seconds(reset=True)
         compiled.backward.op_seconds(reset=True)
-        xg = x.detach().requires_grad_()
-        t0 = time.perf_counter()
-        y = layer(xg, attention_mask=mask)
-        t1 = time.perf_counter()
-        y.backward(dy)
-        t2 = time.perf_counter()
+        forward, backward = time_step(step, x, dy)
         if r < warmup:
             continue
-        per_pass["forward"].append(t1 - t0)
-        per_pass["backward"].append(t2 - t1)
+        per_pass["forward"].append(forward)
+        per_pass["backward"].append(backward)
         for phase, lib in (("forward", compiled.forward), ("backward", compiled.backward)):
             for name, s in lib.op_seconds(reset=True).items():
                 per_op.setdefault((phase, name), []).append(s)

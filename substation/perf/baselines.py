@@ -6,23 +6,29 @@ from __future__ import annotations
 
 from ..reference import ReferenceEncoderLayer
 
-__all__ = ["HF_ACTIVATIONS", "eager_baseline", "hf_bert_layer", "padding_mask"]
+__all__ = ["HF_ACTIVATIONS", "eager_baseline", "hf_bert_layer", "padded_positions", "padding_mask"]
 
 
 #: Config activation -> Hugging Face ``hidden_act`` of the same function.
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
+def padded_positions(batch: int, seq: int):
+    """The benchmarks' padding as a bool [B, K] tensor (True = padding): batch rows ``B // 2`` and up
+    are padded from position ``3 * seq // 4`` on (with B = 1 that is the only row). Raises nothing."""
+    import torch
+    pad = torch.zeros(batch, seq, dtype=torch.bool)
+    pad[batch // 2:, (3 * seq) // 4:] = True
+    return pad
+
+
 def padding_mask(config, batch: int, seq: int, dtype):
-    """The bench's additive key mask [B, K] (0 = attend, -inf = padding): batch rows ``B // 2`` and
-    up are padded from position ``3 * seq // 4`` on (with B = 1 that is the only row). None when the
-    config has ``mask: none``. Raises nothing."""
+    """:func:`padded_positions` as an additive key mask [B, K] of ``dtype`` (0 = attend, -inf =
+    padding); None when the config has ``mask: none``. Raises nothing."""
     import torch
     if config.mask == "none":
         return None
-    mask = torch.zeros(batch, seq, dtype=dtype)
-    mask[batch // 2:, (3 * seq) // 4:] = float("-inf")
-    return mask
+    return torch.zeros(batch, seq, dtype=dtype).masked_fill_(padded_positions(batch, seq), float("-inf"))
 
 
 def _hf_eligible(config) -> bool:

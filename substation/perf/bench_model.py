@@ -37,6 +37,7 @@ import time
 from typing import Callable
 
 from ..files import atomic_write
+from .baselines import padded_positions
 from .bench_report import pyplot
 from .probes import machine_info
 from .timing import fresh_inductor_cache, sample_stats, set_substation_threads
@@ -182,11 +183,9 @@ def build_model(spec: ModelSpec, head: str, seed: int = 0):
 
 
 def _padded(batch: int, seq: int):
-    """The attention mask [B, J] (1 = token, 0 = padding): rows B // 2 and up padded from 3J/4 on."""
-    import torch
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[batch // 2:, (3 * seq) // 4:] = 0
-    return mask
+    """The Hugging Face attention mask [B, J] (1 = token, 0 = padding) of the benchmarks' padding
+    (:func:`~substation.perf.baselines.padding_mask`)."""
+    return (~padded_positions(batch, seq)).long()
 
 
 def make_batch(config, head: str, batch: int, seq: int, seed: int = 0) -> dict:

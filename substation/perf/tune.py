@@ -26,7 +26,6 @@ Units: seconds, bytes/s, flop/s.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -46,8 +45,12 @@ from ..layer import EncoderLayer
 from ..passes.layout import (Candidate, CostModel, LayoutPlan, LayoutProblem, Solution, build_problem, default_solution,
                              load_plan, op_candidates, plan_from_solution, rename_member_tensors, solve)
 from ..pipeline import compile_graphs, compile_layer
+from ..runtime.library import CompiledGraph
 from ..version import __version__
-from .probes import copy_bandwidth
+from . import timing
+from .baselines import padding_mask
+from .probes import copy_bandwidth, gemm_rate
+from .timing import interleaved_times
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
 
@@ -105,21 +108,13 @@ def default_cache_path(config, sizes: dict) -> str:
 # -- calibration -----------------------------------------------------------------------------------
 def calibrate(itemsize: int = 4, cache: TuneCache | None = None) -> CostModel:
     """The analytic model with this machine's copy bandwidth (bytes/s, read + write) and GEMM rate
-    (flop/s), measured with torch (cached in ``cache`` when given)."""
+    (flop/s) of the BLAS the generated code links (:mod:`substation.perf.probes`; cached in ``cache``
+    when given)."""
     entry = cache.get("machine") if cache else None
     if entry is None:
-        import torch
         bw, _ = copy_bandwidth(64 << 20, repeats=5)
-        dtype = torch.float32 if itemsize == 4 else torch.float64
-        a = torch.randn(1024, 1024, dtype=dtype)
-        b = torch.randn(1024, 1024, dtype=dtype)
-        times = []
-        for r in range(5):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            if r:
-                times.append(time.perf_counter() - t0)
-        entry = {"bandwidth": bw, "gemm_flops": 2 * 1024 ** 3 / statistics.median(times)}
+        rate = gemm_rate("float32" if itemsize == 4 else "float64", shapes=((1024, 1024, 1024),), repeats=5)
+        entry = {"bandwidth": bw, "gemm_flops": rate}
         if cache:
             cache.put({"machine": entry})
     return CostModel(bandwidth=entry["bandwidth"], gemm_flops=entry["gemm_flops"], itemsize=itemsize)
@@ -171,49 +166,38 @@ def _transpose_graph(config, phase: str, items: list[tuple[str, str, str]]):
 
 
 class _Library:
-    """A built microbenchmark library and the buffers its arguments point to."""
+    """A built microbenchmark library (through the runtime's binding) and the buffers its arguments
+    point to."""
 
-    def __init__(self, graph, path: str, sizes: dict, itemsize: int):
+    def __init__(self, graph, path: str, sizes: dict):
         import torch
         self.graph = graph
-        self.lib = ctypes.CDLL(path)
-        self.lib.substation_signature.restype = ctypes.c_char_p
-        self.lib.substation_op_names.restype = ctypes.c_char_p
-        self.names = self.lib.substation_op_names().decode().split(",")
-        self.lib.substation_run.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64),
-                                            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32]
-        self.lib.substation_workspace_bytes.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-        self.lib.substation_workspace_bytes.restype = ctypes.c_int64
-        dtype = torch.float32 if itemsize == 4 else torch.float64
-        args = [t for t in graph.tensors.values() if t.role != "temp"]
+        self.lib = CompiledGraph(graph, path)
+        self.names = self.lib.op_names
+        self.sizes = sizes
         # Candidates share buffers by base tensor (same memory, different strides): the inputs are
         # read-only random data, each output has a buffer of its own.
         gen = torch.Generator().manual_seed(0)
-        self.buffers = {}
-        for t in args:
+        buffers = {}
+        self.tensors = {}
+        for t in self.lib.args:
             base = t.name.rsplit("__c", 1)[0] if "__c" in t.name else t.name
-            if base not in self.buffers:
+            if base not in buffers:
                 n = 1
                 for d in t.dims:
                     n *= sizes[d]
+                dtype = self.lib.dtypes[t.name]
                 buf = torch.empty(n, dtype=dtype)
                 if t.role == "input":
                     buf.copy_(torch.zeros(n, dtype=dtype) if base == "mask" else torch.randn(n, generator=gen, dtype=dtype))
-                self.buffers[base] = buf
-        self.ptrs = (ctypes.c_void_p * len(args))(*(
-            self.buffers[t.name.rsplit("__c", 1)[0] if "__c" in t.name else t.name].data_ptr() for t in args))
-        self.dims = (ctypes.c_int64 * 3)(sizes["B"], sizes["J"], sizes["K"])
-        self.ws = torch.empty(max(1, self.lib.substation_workspace_bytes(self.dims)), dtype=torch.uint8)
+                buffers[base] = buf
+            self.tensors[t.name] = buffers[base]
 
     def run(self) -> dict[str, float]:
         """One run of every candidate; seconds per candidate."""
-        out = (ctypes.c_double * len(self.names))()
-        self.lib.substation_op_seconds(out, 1)
-        rc = self.lib.substation_run(self.ptrs, self.dims, ctypes.c_void_p(self.ws.data_ptr()), 12345, 1)
-        if rc != 0:
-            raise RuntimeError(f"microbenchmark returned {rc}")
-        self.lib.substation_op_seconds(out, 1)
-        return dict(zip(self.names, out))
+        self.lib.op_seconds(reset=True)
+        self.lib.run_into(self.tensors, self.sizes["B"], self.sizes["J"], seed=12345, training=True)
+        return self.lib.op_seconds(reset=True)
 
     def measure(self, repeats: int, min_seconds: float, max_seconds: float) -> dict[str, dict]:
         """Medians over at least ``repeats`` runs (more, up to 4x, until ``min_seconds`` have passed;
@@ -250,7 +234,6 @@ def measure_candidates(jobs: list[tuple], config, sizes: dict, cache: TuneCache,
     """
     from tqdm import tqdm
 
-    itemsize = 4 if config.dtype == "float32" else 8
     todo = [(keys, g) for keys, g in jobs if any(cache.get(k) is None for k in keys)]
     bar = tqdm(total=2 * len(todo), desc=desc, unit="step", file=sys.stderr, disable=not progress or not todo)
     # Build everything first (in parallel), then measure with the compilers gone.
@@ -267,7 +250,7 @@ def measure_candidates(jobs: list[tuple], config, sizes: dict, cache: TuneCache,
             bar.update(1)
             continue
         bar.set_postfix_str(g.sdfg.name.replace("tune_", ""))
-        lib = _Library(g, built[name].path, sizes, itemsize)
+        lib = _Library(g, built[name].path, sizes)
         res = lib.measure(repeats, min_seconds, max_seconds)
         cache.put({k: res[f"c{i}"] for i, k in enumerate(keys)})
         del lib
@@ -349,8 +332,7 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
     config = load_config(config)
     sizes = config.sizes()
     cache = TuneCache(cache_path or default_cache_path(config, sizes))
-    itemsize = 4 if config.dtype == "float32" else 8
-    model = calibrate(itemsize, cache)
+    model = calibrate(4 if config.dtype == "float32" else 8, cache)
     say(f"machine: copy bandwidth {model.bandwidth / 1e9:.1f} GB/s, GEMM {model.gemm_flops / 1e9:.1f} GFLOP/s")
     fwd, bwd = compile_graphs(config, fuse_ops=fuse)
     problem = build_problem(fwd, bwd, model)
@@ -535,8 +517,6 @@ def compare_layouts(config, plan, repeats: int = 10, warmup: int = 2, progress: 
         ConfigError, FileNotFoundError, PlanError: a bad config or plan. ToolchainError, BuildError,
         LayoutError: compiling failed.
     """
-    import gc
-
     import torch
 
     say = progress or (lambda s: None)
@@ -552,36 +532,17 @@ def compare_layouts(config, plan, repeats: int = 10, warmup: int = 2, progress: 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(b, j, config.hidden_size, generator=gen, dtype=default.torch_dtype)
     dy = torch.randn(b, j, config.hidden_size, generator=gen, dtype=default.torch_dtype)
-    mask = None
-    if config.mask != "none":
-        mask = torch.zeros(b, j, dtype=torch.bool)
-        mask[b // 2:, j * 3 // 4:] = True
+    mask = padding_mask(config, b, j, default.torch_dtype)
     default.eval(), tuned.eval()
     with torch.no_grad():
-        y0, y1 = default(x, key_padding_mask=mask), tuned(x, key_padding_mask=mask)
+        y0, y1 = default(x, mask), tuned(x, mask)
     diff = float((y0 - y1).abs().max() / y0.abs().max())
     default.train(), tuned.train()
-    layers = {"default": default, "tuned": tuned}
-    samples = {k: [] for k in layers}
-
-    def step(layer):
-        xg = x.detach().requires_grad_()
-        t0 = time.perf_counter()
-        layer(xg, key_padding_mask=mask).backward(dy)
-        return time.perf_counter() - t0
-    for _ in range(warmup):
-        for layer in layers.values():
-            step(layer)
     say(f"timing {repeats} interleaved rounds")
-    gc.collect()
-    gc.disable()
-    try:
-        names = list(layers)
-        for r in range(repeats):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                samples[name].append(step(layers[name]))
-    finally:
-        gc.enable()
+    times = interleaved_times([timing.Candidate(name, lambda xg, layer=layer: layer(xg, mask), list(layer.parameters()))
+                               for name, layer in (("default", default), ("tuned", tuned))],
+                              x, dy, repeats=repeats, warmup=warmup)
+    samples = {k: v["forward_backward"] for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in samples.items()}
     wins = sum(1 for d, t in zip(samples["default"], samples["tuned"]) if t < d)
     return {"default_seconds": med["default"], "tuned_seconds": med["tuned"],

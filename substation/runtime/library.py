@@ -143,7 +143,19 @@ class CompiledGraph:
                 raise ValueError(f"tensors {', '.join(bad)} are not on {device}")
         produced = {t.name: torch.empty(t.shape(sizes), dtype=self.dtypes[t.name], device=device)
                     for t in self.produced}
-        tensors = {**given, **produced}
+        self.run_into({**given, **produced}, batch, seq, seed, training)
+        return produced
+
+    def run_into(self, tensors: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
+                 training: bool = False) -> None:
+        """Run the graph on caller-owned tensors: ``tensors`` maps every argument name (inputs,
+        parameters, saved tensors and the outputs it writes) to a contiguous tensor of :attr:`dtypes`
+        and the graph's shape at ``batch`` x ``seq``; nothing is allocated besides the workspace
+        (reused on the CPU). Benchmarks and the tuner time this call.
+
+        Raises:
+            KeyError: an argument is missing. RuntimeError: the library failed."""
+        device = next(iter(tensors.values())).device
         ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
         need = self._ws(dims)
@@ -170,7 +182,6 @@ class CompiledGraph:
                 self.lib.substation_last_error.restype = ctypes.c_char_p
                 detail = ": " + self.lib.substation_last_error().decode(errors="replace")
             raise RuntimeError(f"{self.graph.phase} library returned error code {rc}{detail}")
-        return produced
 
 
 @dataclasses.dataclass
