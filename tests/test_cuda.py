@@ -23,6 +23,7 @@ from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer
 from substation import EncoderLayer
+from substation.resources import configs_dir, csrc_file
 from substation.runtime import CompiledGraph, CompiledLayer
 
 TINY = load_config("tiny").replace(target="cuda")
@@ -150,7 +151,7 @@ def test_generated_source_structure(name):
     # qkv: one GEMM over the merged B*J rows; scores: the larger of B and H is the strided batch.
     assert "sscuda::gemm<store_t>(false, true, B*J, 3*H*P, I, 1.0, X + (0)" in fwd_src
     assert "if (gs_[q_] > gs_[best_]) best_ = q_;" in fwd_src
-    header = open(os.path.join(os.path.dirname(build_cuda.__file__), "csrc", "substation_cuda.cuh")).read()
+    header = open(csrc_file("substation_cuda.cuh")).read()
     for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync"):
         assert needle in header
 
@@ -387,7 +388,7 @@ def test_cuda_layer_checks_devices(nvcc_layers):
 @needs_nvcc
 def test_cli_compile_target_cuda(nvcc_layers, tmp_path, capsys):
     from substation.cli import main
-    yaml_text = open(os.path.join(os.path.dirname(os.path.dirname(build_cuda.__file__)), "configs", "tiny.yaml")).read()
+    yaml_text = open(os.path.join(configs_dir(), "tiny.yaml")).read()
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml_text.replace("dtype: float64", "dtype: float16").replace("target: cpu", "target: cuda"))
     out = tmp_path / "out"
