@@ -209,6 +209,7 @@ def cmd_report(args) -> int:
     from .perf.analysis import analyze, measure
     from .perf.report import format_kernels, format_report, plot_report, write_json
 
+    mode = "inference" if args.mode == "eval" else "train"
     if args.kernels:
         extra = [flag for flag, on in (("--optimized", args.optimized), ("--measure", args.measure),
                                        ("--json", args.json), ("--plot", args.plot)) if on]
@@ -216,14 +217,14 @@ def cmd_report(args) -> int:
             print(f"substation: error: --kernels lists the kernels only; it does not take {', '.join(extra)}",
                   file=sys.stderr)
             return 2
-        print(format_kernels(analyze(args.config, optimized=not args.no_fuse)))
+        print(format_kernels(analyze(args.config, optimized=not args.no_fuse, mode=mode)))
         return 0
     if args.no_fuse:
         print("substation: error: --no-fuse goes with --kernels (--optimized chooses the fused graphs otherwise)",
               file=sys.stderr)
         return 2
     try:
-        analysis = analyze(args.config, optimized=args.optimized)
+        analysis = analyze(args.config, optimized=args.optimized, mode=mode)
     except NotImplementedError as e:
         print(f"substation: error: --optimized: {e}", file=sys.stderr)
         return 2
@@ -232,7 +233,7 @@ def cmd_report(args) -> int:
             print(f"substation: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
             return 2
         analysis = analysis.with_measurement(measure(analysis.config, repeats=args.repeats,
-                                                           optimized=args.optimized))
+                                                     optimized=args.optimized, mode=mode))
     print(format_report(analysis))
     return _write_outputs(args, analysis, write_json, plot_report)
 
@@ -245,6 +246,10 @@ def cmd_bench(args) -> int:
         print(f"substation: error: need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}",
               file=sys.stderr)
         return 2
+    if args.mode == "eval" and (args.kernels or args.compare_layouts or args.layout):
+        print("substation: error: --mode eval times the inference build; it does not take --kernels, "
+              "--compare-layouts or --layout", file=sys.stderr)
+        return 2
     if args.compare_layouts:
         return cmd_compare_layouts(args)
     if args.kernels:
@@ -254,7 +259,7 @@ def cmd_bench(args) -> int:
     else:
         result = bench.run_bench(args.config, repeats=args.repeats, warmup=args.warmup, batch_size=args.batch_size,
                                  seq_len=args.seq_len, include_compile=not args.no_compile, hf_attn=args.hf_attn,
-                                 layout=args.layout,
+                                 layout=args.layout, mode=args.mode,
                                  progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         text, plot = bench_report.format_bench(result), bench_report.plot_bench
     print(text)
@@ -401,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true",
                    help="instead: list each memory-bound kernel of the fused graphs with the operators it runs")
     p.add_argument("--no-fuse", action="store_true", help="with --kernels: the unfused graphs (one kernel per operator)")
+    p.add_argument("--mode", choices=("train", "eval"), default="train",
+                   help="train: forward and backward graphs (default); eval: the inference build's forward graph")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("bench", help="time forward/backward against PyTorch eager and torch.compile (or --kernels)")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
@@ -420,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", metavar="PLAN", help="the tuned plan for --compare-layouts (default: bundled "
                                                     "configs/<config name>.plan.json); otherwise the plan "
                                                     "Substation compiles with (default: PyTorch's layouts)")
+    p.add_argument("--mode", choices=("train", "eval"), default="train",
+                   help="train: forward+backward steps with dropout (default); eval: forward passes in eval mode "
+                        "under torch.inference_mode (Substation's inference build)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("bench-model", help="time whole-model training steps of a Hugging Face BERT with and "
                                            "without substation.optimize, eager and under torch.compile")

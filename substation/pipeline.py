@@ -10,6 +10,7 @@ progress bar, and the tests use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from typing import Any, Callable, Mapping
@@ -27,7 +28,7 @@ from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, load_plan
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
-__all__ = ["PASSES", "Pass", "Pipeline", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
+__all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
            "compile_graphs", "compile_layer", "compiled_from_state", "compiled_state", "rebuild_for"]
 
 
@@ -40,19 +41,28 @@ class PipelineOptions:
         layout: a layout plan: a path, a bundled plan name or a :class:`LayoutPlan`; None or
             ``"default"`` keeps PyTorch's layouts.
         instrument: per-operator timers in the CPU libraries (``CompiledGraph.op_seconds``).
+        mode: ``train`` (forward and backward libraries; forward writes what backward reads) or
+            ``inference`` (a forward library only: no dropout, nothing saved, intermediates in a
+            workspace whose buffers are reused once dead; PyTorch's layouts), one of :data:`MODES`.
 
     Raises:
-        TypeError: an option of the wrong type.
+        TypeError: an option of the wrong type. ValueError: an unknown mode.
     """
 
     fuse: bool = True
     layout: Any = None
     instrument: bool = False
+    mode: str = "train"
 
     def __post_init__(self):
         for name in ("fuse", "instrument"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "inference" and self.layout not in (None, "default"):
+            raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
+                             "an inference build uses PyTorch's layouts (pass layout=None)")
         if not (self.layout is None or isinstance(self.layout, (str, os.PathLike, LayoutPlan))):
             raise TypeError(f"PipelineOptions.layout must be None, a plan path or name, or a LayoutPlan; "
                             f"got {type(self.layout).__name__}")
@@ -61,7 +71,7 @@ class PipelineOptions:
         """Plain data (a layout plan object becomes its JSON mapping)."""
         layout = self.layout.to_dict() if isinstance(self.layout, LayoutPlan) else \
             (os.fspath(self.layout) if self.layout is not None else None)
-        return {"fuse": self.fuse, "layout": layout, "instrument": self.instrument}
+        return {"fuse": self.fuse, "layout": layout, "instrument": self.instrument, "mode": self.mode}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "PipelineOptions":
@@ -76,7 +86,8 @@ class PipelineOptions:
         layout = data.get("layout")
         if isinstance(layout, Mapping):
             layout = load_plan(layout)
-        return cls(fuse=data.get("fuse", True), layout=layout, instrument=data.get("instrument", False))
+        return cls(fuse=data.get("fuse", True), layout=layout, instrument=data.get("instrument", False),
+                   mode=data.get("mode", "train"))
 
 
 @dataclasses.dataclass
@@ -85,7 +96,8 @@ class PipelineState:
 
     Attributes:
         config: the encoder config. options: the run's options.
-        forward, backward: the :class:`~substation.ir.graph.LayerGraph` pair (SDFGs inside).
+        forward, backward: the :class:`~substation.ir.graph.LayerGraph` pair (SDFGs inside); no
+            backward graph in mode ``inference``.
         sources: generated source of each graph (``forward``/``backward``).
         built: the build results (library paths, build seconds).
         compiled: the loaded :class:`~substation.runtime.CompiledLayer`.
@@ -122,15 +134,21 @@ class Pass:
 
 
 def _graph(state: PipelineState) -> None:
-    state.forward = build_forward(state.config)
+    state.forward = build_forward(state.config, dropout=state.options.mode == "train")
 
 
 def _autodiff(state: PipelineState) -> None:
     state.forward, state.backward = build_backward(state.forward)
 
 
+def _graphs(state: PipelineState) -> dict[str, LayerGraph]:
+    """The state's graphs by phase (``backward`` absent in mode ``inference``)."""
+    return {p: g for p, g in (("forward", state.forward), ("backward", state.backward)) if g is not None}
+
+
 def _fusion(state: PipelineState) -> None:
-    state.forward, state.backward = fuse_graph(state.forward), fuse_graph(state.backward)
+    for phase, graph in _graphs(state).items():
+        setattr(state, phase, fuse_graph(graph))
 
 
 def _layout(state: PipelineState) -> None:
@@ -141,10 +159,9 @@ def _codegen(state: PipelineState) -> None:
     if state.config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
         if state.options.instrument:
             raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
-        state.sources = {"forward": generate_cuda(state.forward), "backward": generate_cuda(state.backward)}
+        state.sources = {p: generate_cuda(g) for p, g in _graphs(state).items()}
     else:
-        state.sources = {p: generate_cpu(g, state.options.instrument)
-                         for p, g in (("forward", state.forward), ("backward", state.backward))}
+        state.sources = {p: generate_cpu(g, state.options.instrument) for p, g in _graphs(state).items()}
 
 
 def _build(state: PipelineState) -> None:
@@ -156,26 +173,35 @@ def _build(state: PipelineState) -> None:
 
 def _load(state: PipelineState) -> None:
     opts = state.options
+    loaded = {p: CompiledGraph(g, state.built[p].path) for p, g in _graphs(state).items()}
+    options = {"fuse": opts.fuse, "layout": opts.layout, "instrument": opts.instrument}
     state.compiled = CompiledLayer(
-        state.config, CompiledGraph(state.forward, state.built["forward"].path),
-        CompiledGraph(state.backward, state.built["backward"].path), {k: v.seconds for k, v in state.built.items()},
-        state.sources, {"fuse": opts.fuse, "layout": opts.layout, "instrument": opts.instrument})
+        state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
+        state.sources, {**options, "mode": opts.mode},
+        inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
+                                          mode="inference"))
 
 
 _GRAPHS = frozenset({"forward", "backward"})
+_FORWARD = frozenset({"forward"})
 
-#: The passes, in order.
+#: Build modes (:attr:`PipelineOptions.mode`).
+MODES = ("train", "inference")
+
+#: The passes, in order. In mode ``inference`` autodiff is skipped and the later passes work on the
+#: forward graph alone.
 PASSES = (
-    Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), frozenset({"forward"}), _graph),
-    Pass("autodiff", "derive the backward SDFG; mark what forward saves", frozenset({"forward"}), _GRAPHS, _autodiff),
-    Pass("fusion", "group element-wise and normalization operators into row kernels", _GRAPHS, _GRAPHS, _fusion,
+    Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), _FORWARD, _graph),
+    Pass("autodiff", "derive the backward SDFG; mark what forward saves", _FORWARD, _GRAPHS, _autodiff,
+         lambda o: o.mode == "train"),
+    Pass("fusion", "group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS, _fusion,
          lambda o: o.fuse),
-    Pass("layout", "apply a layout plan: tensor strides, explicit transposes, vectorized letters", _GRAPHS, _GRAPHS,
+    Pass("layout", "apply a layout plan: tensor strides, explicit transposes, vectorized letters", _FORWARD, _GRAPHS,
          _layout, lambda o: o.layout is not None),
-    Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _GRAPHS, frozenset({"sources"}), _codegen),
+    Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD, frozenset({"sources"}), _codegen),
     Pass("build", "compile and link against BLAS / cuBLAS, through the build cache", frozenset({"sources"}),
          frozenset({"built"}), _build),
-    Pass("load", "load the libraries behind the torch custom operators", frozenset({"built"}) | _GRAPHS,
+    Pass("load", "load the libraries behind the torch custom operators", frozenset({"built"}) | _FORWARD,
          frozenset({"compiled"}), _load),
 )
 
@@ -218,32 +244,35 @@ class Pipeline:
                 have |= p.changes
                 for name in sorted(p.changes & _GRAPHS):
                     graph = getattr(state, name)
-                    graph.sdfg.validate()
-                    graph.check()
+                    if graph is not None:
+                        graph.sdfg.validate()
+                        graph.check()
             if p.name == until:
                 break
         return state
 
 
-def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None):
+def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None,
+                   mode: str = "train"):
     """The (forward, backward) :class:`~substation.ir.graph.LayerGraph` pair after the passes up to
-    ``layout`` (fusion with ``fuse_ops``; ``layout`` as :class:`PipelineOptions`)."""
-    state = Pipeline().run(config, PipelineOptions(fuse=fuse_ops, layout=layout), until="layout")
+    ``layout`` (fusion with ``fuse_ops``; ``layout`` and ``mode`` as :class:`PipelineOptions`;
+    backward is None in mode ``inference``)."""
+    state = Pipeline().run(config, PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode), until="layout")
     return state.forward, state.backward
 
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
-                  fuse: bool = True, layout=None) -> CompiledLayer:
+                  fuse: bool = True, layout=None, mode: str = "train") -> CompiledLayer:
     """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
     loaded :class:`~substation.runtime.CompiledLayer`.
 
-    ``progress``, if given, is called with each pass name as it starts. ``instrument``, ``fuse`` and
-    ``layout``: see :class:`PipelineOptions`.
+    ``progress``, if given, is called with each pass name as it starts. ``instrument``, ``fuse``,
+    ``layout`` and ``mode``: see :class:`PipelineOptions`.
 
     Raises:
         as :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
     """
-    return Pipeline().run(config, PipelineOptions(fuse=fuse, layout=layout, instrument=instrument),
+    return Pipeline().run(config, PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode),
                           progress=progress).compiled
 
 
@@ -252,7 +281,7 @@ _LOADED_LOCK = threading.Lock()
 
 
 def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
-                   instrument: bool = False) -> CompiledLayer:
+                   instrument: bool = False, mode: str = "train") -> CompiledLayer:
     """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
     twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
     the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`
@@ -262,11 +291,12 @@ def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = Tru
         as :func:`compile_layer`.
     """
     config = load_config(config)
-    key = (config, fuse, layout if layout is None or isinstance(layout, (str, os.PathLike)) else id(layout), instrument)
+    key = (config, fuse, layout if layout is None or isinstance(layout, (str, os.PathLike)) else id(layout), instrument,
+           mode)
     with _LOADED_LOCK:
         compiled = _LOADED.get(key)
         if compiled is None:
-            compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument)
+            compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument, mode=mode)
     return compiled
 
 

@@ -6,7 +6,7 @@ from ..ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator
 from ..ir.operands import resolve_operand, stride_order
 from ..ops import op_kind, op_space
 
-__all__ = ["member_records", "stat_tensors", "row_kernel_space"]
+__all__ = ["member_records", "stat_tensors", "row_kernel_space", "workspace_slots"]
 
 
 def member_records(graph: LayerGraph, op: Operator) -> list[dict]:
@@ -51,3 +51,36 @@ def row_kernel_space(graph: LayerGraph, members: list[dict], vector: str | None 
             k -= 1
         inner = frozenset(order[k:])
     return full, [c for c in order if c in inner], [c for c in order if c not in inner]
+
+
+def workspace_slots(graph: LayerGraph, dtypes: dict[str, str]) -> list[list[str]]:
+    """The temporaries of ``graph`` grouped into workspace slots: each slot is one buffer, shared by
+    temporaries of one dtype and one element count (the same dimension letters) whose lifetimes do not
+    overlap in operator order (a temporary is live from its first writer to its last reader, and a
+    slot is reused only by a temporary first written after the previous one's last read). Slots are in
+    order of first use; ``dtypes`` maps each tensor to its dtype name.
+
+    In a training build most intermediates are saved for backward, so few temporaries share; in an
+    inference build (nothing saved) this is what keeps the workspace to a few buffers.
+    """
+    first, last = {}, {}
+    for i, op in enumerate(graph.operators()):
+        for t, _ in graph.inputs_of(op).values():
+            last[t] = i
+        for t, _ in graph.outputs_of(op).values():
+            first.setdefault(t, i)
+            last[t] = max(last.get(t, i), i)
+    temps = sorted((t for t, info in graph.tensors.items() if info.role == "temp" and t in first),
+                   key=lambda t: (first[t], t))
+    slots: list[list[str]] = []
+    for t in temps:
+        kind = (dtypes[t], "".join(sorted(graph.tensors[t].dims)))
+        for slot in slots:
+            prev = slot[-1]
+            if (dtypes[prev], "".join(sorted(graph.tensors[prev].dims))) == kind and last[prev] < first[t]:
+                slot.append(t)
+                break
+        else:
+            slots.append([t])
+    unused = [t for t, info in graph.tensors.items() if info.role == "temp" and t not in first]
+    return slots + [[t] for t in unused]

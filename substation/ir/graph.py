@@ -319,14 +319,16 @@ DROPOUT_SITES = {
 }
 
 
-def build_forward(config: EncoderConfig) -> LayerGraph:
+def build_forward(config: EncoderConfig, dropout: bool = True) -> LayerGraph:
     """The forward pass of one encoder layer (post-LN BERT or pre-LN; layer norm or RMSNorm, whose
     operators are still named ``layer_norm1`` / ``layer_norm2``) as a :class:`LayerGraph`.
 
     Inputs: ``X[B, J, I]`` and, unless ``config.mask == "none"``, the additive key mask ``mask[B, K]``.
-    Output: ``Y[B, J, I]``. Operators follow DESIGN.md section 3; a dropout with p = 0 is left out.
+    Output: ``Y[B, J, I]``. Operators follow docs/design.md; a dropout with p = 0 is left out, and
+    every dropout with ``dropout=False`` (the inference graph, which never runs in train mode).
     """
-    g = GraphBuilder(f"{config.name.replace('-', '_').replace('.', '_')}_forward", config, "forward")
+    suffix = "forward" if dropout else "inference"
+    g = GraphBuilder(f"{config.name.replace('-', '_').replace('.', '_')}_{suffix}", config, "forward")
     g.tensor("X", "BJI", "input")
     has_mask = config.mask != "none"
     if has_mask:
@@ -336,9 +338,9 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
     g.tensor("Y", "BJI", "output")
     post = config.layer_norm == "post"
 
-    def dropout(name: str, src: str, dst: str, dims: str) -> str:
+    def dropout_site(name: str, src: str, dst: str, dims: str) -> str:
         field, stream, rng_dims = DROPOUT_SITES[name]
-        p = config.dropout.probability(field)
+        p = config.dropout.probability(field) if dropout else 0.0
         if p == 0.0:
             return src
         g.op(name, "dropout", "EW", {"x": src}, {"y": f"{dst}[{dims}]"}, p=p, stream=stream, rng_dims=rng_dims)
@@ -365,11 +367,11 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
         g.op("mask", "mask", "EW", {"x": "S", "m": "mask"}, {"y": "S_masked[BHJK]"}, causal=config.mask == "causal")
         scores = "S_masked"
     g.op("softmax", "softmax", "SN", {"x": scores}, {"y": "A[BHJK]"}, axis="K")
-    attn = dropout("attention_dropout", "A", "A_drop", "BHJK")
+    attn = dropout_site("attention_dropout", "A", "A_drop", "BHJK")
     g.op("context", "contraction", "TC", {"attn": attn, "v": "QKV[BK2HP]"}, {"y": "C[BJHP]"})
     g.op("out_proj", "contraction", "TC", {"x": "C", "w": "out_proj_weight"}, {"y": "O_raw[BJI]"})
     g.op("out_bias", "bias", "EW", {"x": "O_raw", "b": "out_proj_bias"}, {"y": "O[BJI]"})
-    out = dropout("out_dropout", "O", "O_drop", "BJI")
+    out = dropout_site("out_dropout", "O", "O_drop", "BJI")
     g.op("residual1", "add", "EW", {"a": out, "b": "X"}, {"y": "R1[BJI]"})
     if post:
         ffn_in = residual = normalize("layer_norm1", "R1", "N1", "norm1")
@@ -379,10 +381,10 @@ def build_forward(config: EncoderConfig) -> LayerGraph:
     g.op("linear1", "contraction", "TC", {"x": ffn_in, "w": "linear1_weight"}, {"y": "F1_raw[BJU]"})
     g.op("linear1_bias", "bias", "EW", {"x": "F1_raw", "b": "linear1_bias"}, {"y": "F1[BJU]"})
     g.op("activation", "activation", "EW", {"x": "F1"}, {"y": "F1_act[BJU]"}, function=config.activation)
-    act = dropout("activation_dropout", "F1_act", "F1_drop", "BJU")
+    act = dropout_site("activation_dropout", "F1_act", "F1_drop", "BJU")
     g.op("linear2", "contraction", "TC", {"x": act, "w": "linear2_weight"}, {"y": "F2_raw[BJI]"})
     g.op("linear2_bias", "bias", "EW", {"x": "F2_raw", "b": "linear2_bias"}, {"y": "F2[BJI]"})
-    ffn_out = dropout("ffn_dropout", "F2", "F2_drop", "BJI")
+    ffn_out = dropout_site("ffn_dropout", "F2", "F2_drop", "BJI")
     if post:
         g.op("residual2", "add", "EW", {"a": ffn_out, "b": residual}, {"y": "R2[BJI]"})
         normalize("layer_norm2", "R2", "Y", "norm2")

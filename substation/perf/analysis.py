@@ -210,9 +210,10 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
 
 
 # -- graphs --------------------------------------------------------------------------------------
-def optimized_graphs(config: EncoderConfig):
-    """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's layouts."""
-    return compile_graphs(load_config(config), fuse_ops=True)
+def optimized_graphs(config: EncoderConfig, mode: str = "train"):
+    """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's
+    layouts; backward None in mode ``inference``."""
+    return compile_graphs(load_config(config), fuse_ops=True, mode=mode)
 
 
 # -- analysis ------------------------------------------------------------------------------------
@@ -247,6 +248,8 @@ class Analysis:
         operators: forward operators then backward operators (:class:`OperatorCount`).
         unfused_bytes: total bytes (forward + backward) of the unoptimized graphs, when ``optimized``.
         measurement: the :class:`Measurement`, when measured.
+        mode: ``train`` (forward and backward graphs) or ``inference`` (the inference build's forward
+            graph alone).
     """
 
     config: EncoderConfig
@@ -255,6 +258,7 @@ class Analysis:
     operators: tuple[OperatorCount, ...]
     unfused_bytes: int | None = None
     measurement: Measurement | None = None
+    mode: str = "train"
 
     # aggregation -------------------------------------------------------------------------------
     def select(self, phase: str = "total", op_class: str = "all") -> list[OperatorCount]:
@@ -336,6 +340,7 @@ class Analysis:
         data = {
             "config": self.config.to_dict(), "sizes": {k: v for k, v in self.sizes.items() if k != "T"},
             "dtype": self.config.dtype, "itemsize": self.config.itemsize, "optimized": self.optimized,
+            "mode": self.mode,
             "operators": ops, "totals": self.totals(), "kernels": self.kernels(), "shares": self.shares(),
             "contraction_flop": self.contraction_flop(),
             "paper": {"class_shares": PAPER_CLASS_SHARES, "max_data_movement_reduction_pct": PAPER_MAX_REDUCTION_PCT,
@@ -354,10 +359,11 @@ def _pct(part, whole) -> float:
     return 100.0 * part / whole if whole else 0.0
 
 
-def analyze(config, optimized: bool = False) -> Analysis:
-    """Count the forward and backward graphs of ``config`` (a config, a YAML path or a bundled name).
+def analyze(config, optimized: bool = False, mode: str = "train") -> Analysis:
+    """Count the forward and backward graphs of ``config`` (a config, a YAML path or a bundled name);
+    ``mode="inference"``: the forward graph of the inference build alone (no dropout, nothing saved).
 
-    With ``optimized``, counts the graphs of :func:`optimized_graphs` and also the unfused ones, for
+    With ``optimized``, counts the fused graphs and also the unfused ones, for
     :attr:`Analysis.data_movement_reduction_pct`. Needs no compilation.
 
     Raises:
@@ -368,20 +374,21 @@ def analyze(config, optimized: bool = False) -> Analysis:
 
     config = load_config(config)
     sizes = config.sizes()
-    unfused = compile_graphs(config)
-    unfused_ops = [c for g in unfused for c in count_graph(g, sizes)]
+    unfused = compile_graphs(config, mode=mode)
+    unfused_ops = [c for g in unfused if g is not None for c in count_graph(g, sizes)]
     if not optimized:
-        return Analysis(config, sizes, False, tuple(unfused_ops))
-    opt_ops = [c for g in optimized_graphs(config) for c in count_graph(g, sizes)]
-    return Analysis(config, sizes, True, tuple(opt_ops), unfused_bytes=sum(o.bytes for o in unfused_ops))
+        return Analysis(config, sizes, False, tuple(unfused_ops), mode=mode)
+    opt_ops = [c for g in optimized_graphs(config, mode) if g is not None for c in count_graph(g, sizes)]
+    return Analysis(config, sizes, True, tuple(opt_ops), unfused_bytes=sum(o.bytes for o in unfused_ops), mode=mode)
 
 
 # -- measurement ---------------------------------------------------------------------------------
 
 
 def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=None,
-            copy_bytes: int | None = None, optimized: bool = False) -> Measurement:
-    """Run the compiled layer (train mode, random input at the config's sizes) with per-operator timers.
+            copy_bytes: int | None = None, optimized: bool = False, mode: str = "train") -> Measurement:
+    """Run the compiled layer (train mode, random input at the config's sizes) with per-operator timers;
+    ``mode="inference"``: forward passes of the inference build in eval mode under ``torch.inference_mode``.
 
     Compiles ``config`` with ``instrument=True`` (and the pipeline's optimization stages only when
     ``optimized``, so the timers match the graphs :func:`analyze` counted with the same flag) unless an
@@ -406,28 +413,31 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     config = load_config(config)
     if compiled is None:
-        compiled = compile_layer(config, instrument=True, fuse=optimized)
-    if not (compiled.forward.instrumented and compiled.backward.instrumented):
-        raise RuntimeError("measure() needs a layer compiled with instrument=True")
-    layer = EncoderLayer(compiled).train()
+        compiled = compile_layer(config, instrument=True, fuse=optimized, mode=mode)
+    libs = {"forward": compiled.forward}
+    if mode == "train":
+        libs["backward"] = compiled.backward
+    if compiled.mode != mode or not all(lib.instrumented for lib in libs.values()):
+        raise RuntimeError(f"measure() needs a layer compiled with instrument=True and mode={mode!r}")
+    layer = EncoderLayer(compiled).train(mode == "train")
     gen = torch.Generator().manual_seed(seed)
     b, j, i = config.batch_size, config.max_seq_len, config.hidden_size
     x = torch.randn(b, j, i, generator=gen, dtype=layer.torch_dtype)
-    dy = torch.randn(b, j, i, generator=gen, dtype=layer.torch_dtype)
+    dy = torch.randn(b, j, i, generator=gen, dtype=layer.torch_dtype) if mode == "train" else None
     mask = torch.zeros(b, j, dtype=layer.torch_dtype) if config.mask != "none" else None
     per_op: dict = {}
-    per_pass: dict = {"forward": [], "backward": []}
+    per_pass: dict = {phase: [] for phase in libs}
     copy = CopyTimer(copy_bytes)
     step = Candidate("substation", lambda xg: layer(xg, attention_mask=mask), list(layer.parameters()))
     for r in range(warmup + repeats):
-        compiled.forward.op_seconds(reset=True)
-        compiled.backward.op_seconds(reset=True)
-        forward, backward = time_step(step, x, dy)
+        for lib in libs.values():
+            lib.op_seconds(reset=True)
+        seconds = dict(zip(("forward", "backward"), time_step(step, x, dy)))
         if r < warmup:
             continue
-        per_pass["forward"].append(forward)
-        per_pass["backward"].append(backward)
-        for phase, lib in (("forward", compiled.forward), ("backward", compiled.backward)):
+        for phase in libs:
+            per_pass[phase].append(seconds[phase])
+        for phase, lib in libs.items():
             for name, s in lib.op_seconds(reset=True).items():
                 per_op.setdefault((phase, name), []).append(s)
         for _ in range(4):

@@ -39,7 +39,10 @@ from .probes import copy_bandwidth, fma_peak, gemm_rate, machine_info
 from .timing import (PASSES, Candidate, env_var, fresh_inductor_cache, interleaved_times, sample_stats,
                      saved_tensor_bytes, set_substation_threads, time_step)
 
-__all__ = ["IMPLEMENTATIONS", "SCHEMA", "kernel_table", "run_bench", "time_limit"]
+__all__ = ["BENCH_MODES", "IMPLEMENTATIONS", "SCHEMA", "kernel_table", "run_bench", "time_limit"]
+
+#: ``substation bench --mode``: training steps or inference forward passes.
+BENCH_MODES = ("train", "eval")
 
 #: The implementations of a bench, in order.
 IMPLEMENTATIONS = ("substation", "eager", "compile")
@@ -84,7 +87,7 @@ def _apply_overrides(config, batch_size: int | None, seq_len: int | None):
 # -- the bench -----------------------------------------------------------------------------------
 def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None = None,
               seq_len: int | None = None, include_compile: bool = True, compile_backend: str = "inductor",
-              hf_attn: str = "sdpa", seed: int = 0, layout=None,
+              hf_attn: str = "sdpa", seed: int = 0, layout=None, mode: str = "train",
               progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark the compiled layer against PyTorch eager and ``torch.compile`` (see the module docstring).
 
@@ -102,15 +105,19 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         seed: seeds the parameters, the input and ``dy``.
         layout: a layout plan for Substation's pipeline (``compile_layer(layout=...)``); None: the
             pipeline's default.
+        mode: ``train`` (forward+backward steps in train mode, dropout on) or ``eval`` (forward
+            passes in eval mode under ``torch.inference_mode``: Substation runs its inference build,
+            the others their eval forward; nothing is held for backward).
         progress: called with a short message before each phase.
 
     Returns:
         The result as plain data (the JSON of ``substation bench``; keys in docs/performance.md).
         Times in seconds, memory in bytes; ``speedup_vs_eager`` = eager's median forward+backward
-        seconds / Substation's, ``speedup_vs_compile`` likewise for ``torch.compile``.
+        seconds (mode ``eval``: forward seconds) / Substation's, ``speedup_vs_compile`` likewise for
+        ``torch.compile``.
 
     Raises:
-        ValueError: ``repeats`` < 1 or ``warmup`` < 0.
+        ValueError: ``repeats`` < 1 or ``warmup`` < 0, an unknown mode, ``layout`` with mode ``eval``.
         ConfigError, FileNotFoundError: a bad config or override.
         ToolchainError, BuildError: Substation's compilation failed (PlanError: a layout plan that
             does not fit).
@@ -120,6 +127,11 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if mode not in BENCH_MODES:
+        raise ValueError(f"mode must be one of {', '.join(BENCH_MODES)}, got {mode!r}")
+    if mode == "eval" and layout is not None:
+        raise ValueError("a layout plan applies to training builds; bench --mode eval runs the inference build")
+    train = mode == "train"
     say = progress or (lambda msg: None)
     config = _apply_overrides(config, batch_size, seq_len)
     machine = machine_info()
@@ -137,7 +149,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     dtype = layer.torch_dtype
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(b, j, i, generator=gen, dtype=dtype)
-    dy = torch.randn(b, j, i, generator=gen, dtype=dtype)
+    dy = torch.randn(b, j, i, generator=gen, dtype=dtype) if train else None
     mask = padding_mask(config, b, j, dtype)
 
     # identical weights: the outputs agree with dropout off
@@ -145,14 +157,20 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     with torch.no_grad():
         y_sub, y_ref = layer(x, attention_mask=mask), call_eager(eager, x, mask)
     rel_err = float((y_sub - y_ref).abs().max() / y_ref.abs().max())
-    layer.train(), eager.train()
+    layer.train(train), eager.train(train)
+    if not train:
+        say("building the inference build")
+        inference = compiled.forward_only()
+        set_substation_threads(inference, threads)
+        info_inference = {"inference_build_seconds": dict(inference.build_seconds)}
 
     cands = [Candidate("substation", lambda t: layer(t, attention_mask=mask), list(layer.parameters())),
              Candidate("eager", lambda t: call_eager(eager, t, mask), list(eager.parameters()))]
     info = {"substation": {"label": "substation.EncoderLayer", "compile_seconds": sub_compile,
                            "compile_method": "substation pipeline (graph ... load) into an empty temporary "
                                              "SUBSTATION_CACHE_DIR",
-                           "build_seconds": dict(compiled.build_seconds), "threads": sub_threads},
+                           "build_seconds": dict(compiled.build_seconds), "threads": sub_threads,
+                           **({} if train else info_inference)},
             "eager": {"label": eager_label, "compile_seconds": None, "compile_method": None, "threads": threads}}
     if include_compile:
         say(f"torch.compile (backend {compile_backend}, cold inductor cache): first call")
@@ -161,36 +179,40 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         with fresh_inductor_cache():
             f, bwd = time_step(Candidate("compile", lambda t: call_eager(opt, t, mask), list(eager.parameters())),
                                x, dy)
+        first = {"forward": f, "backward": bwd} if train else {"forward": f}
         cands.append(Candidate("compile", lambda t: call_eager(opt, t, mask), list(eager.parameters())))
         info["compile"] = {"label": f"torch.compile({eager_label}, backend={compile_backend!r})",
-                           "compile_seconds": f + bwd, "first_call_seconds": {"forward": f, "backward": bwd},
-                           "compile_method": "first forward + first backward call (each compiles its graph) with "
-                                             "an empty inductor cache, after torch._dynamo.reset()",
+                           "compile_seconds": f + bwd, "first_call_seconds": first,
+                           "compile_method": ("first forward + first backward call (each compiles its graph)"
+                                              if train else "first forward call under torch.inference_mode")
+                                             + " with an empty inductor cache, after torch._dynamo.reset()",
                            "backend": compile_backend, "threads": threads}
 
     say(f"timing: {warmup} warm-up step(s) each, then {repeats} interleaved rounds")
     times = interleaved_times(cands, x, dy, repeats, warmup)
 
-    say("memory held for backward")
+    say("memory held for backward" if train else "collecting the results")
     impls = {}
     for c in cands:
-        exclude = [*c.params, x, mask]
-        xg = x.detach().requires_grad_()
-        y, nbytes, count = saved_tensor_bytes(lambda: c.call(xg), exclude + [xg])
-        y.backward(dy)
-        del y
-        impls[c.name] = {**info[c.name], "seconds": {p: sample_stats(times[c.name][p]) for p in PASSES},
-                         "saved_for_backward_bytes": int(nbytes), "saved_for_backward_storages": int(count)}
+        impls[c.name] = {**info[c.name], "seconds": {p: sample_stats(times[c.name][p]) for p in PASSES}}
+        if train:
+            exclude = [*c.params, x, mask]
+            xg = x.detach().requires_grad_()
+            y, nbytes, count = saved_tensor_bytes(lambda: c.call(xg), exclude + [xg])
+            y.backward(dy)
+            del y
+            impls[c.name].update(saved_for_backward_bytes=int(nbytes), saved_for_backward_storages=int(count))
     med = {n: {p: impls[n]["seconds"][p]["median"] for p in PASSES} for n in impls}
-    sub = med["substation"]["forward_backward"]
+    timed = "forward_backward" if train else "forward"
+    sub = med["substation"][timed]
     say("limit: BLAS GEMM rate, FMA peak and copy bandwidth")
-    limit = time_limit(config, {n: med[n]["forward_backward"] for n in med})
+    limit = time_limit(config, {n: med[n][timed] for n in med}, mode="train" if train else "inference")
     result = {
         "schema": SCHEMA,
         "config": config.to_dict(),
         "batch_size": b, "seq_len": j, "dtype": config.dtype,
         "layout": None if layout is None else str(layout),
-        "mode": "train",
+        "mode": mode,
         "dropout": dataclasses.asdict(config.dropout),
         "mask": (None if mask is None else
                  f"additive key mask [B, K]: rows {b // 2}..{b - 1} padded from position {(3 * j) // 4} on"),
@@ -199,17 +221,18 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         "repeats": repeats, "warmup": warmup,
         "implementations": impls,
         "median_seconds": med,
-        "speedup_vs_eager": med["eager"]["forward_backward"] / sub,
-        "speedup_vs_compile": med["compile"]["forward_backward"] / sub if "compile" in med else None,
+        "speedup_vs_eager": med["eager"][timed] / sub,
+        "speedup_vs_compile": med["compile"][timed] / sub if "compile" in med else None,
         "max_rel_error_vs_eager": rel_err,
         "limit": limit,
     }
     return result
 
 
-def time_limit(config, measured_seconds: dict | None = None) -> dict:
-    """The analysis' lower bound on one forward+backward step of ``config``, from rates measured now:
-    contraction flop at the BLAS's GEMM rate plus the SN/EW kernels' required bytes at the copy bandwidth.
+def time_limit(config, measured_seconds: dict | None = None, mode: str = "train") -> dict:
+    """The analysis' lower bound on one forward+backward step of ``config`` (``mode="inference"``: one
+    forward pass of the inference build), from rates measured now: contraction flop at the BLAS's GEMM
+    rate plus the SN/EW kernels' required bytes at the copy bandwidth.
 
     ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
     graphs' counts (:func:`substation.perf.analysis.analyze`), :func:`~substation.perf.probes.gemm_rate` (the
@@ -221,7 +244,7 @@ def time_limit(config, measured_seconds: dict | None = None) -> dict:
 
     Args:
         config: an :class:`~substation.EncoderConfig` (sizes as benchmarked).
-        measured_seconds: implementation name -> measured forward+backward seconds; each gets
+        measured_seconds: implementation name -> measured seconds of the same step; each gets
             ``fraction_of_limit`` (limit / measured) and ``speedup_at_limit`` (measured / limit: the
             largest speedup over it that a layer running at the limit would show).
 
@@ -234,7 +257,7 @@ def time_limit(config, measured_seconds: dict | None = None) -> dict:
         ToolchainError, BuildError: the probe library cannot be built.
     """
 
-    an = analyze(config, optimized=True)
+    an = analyze(config, optimized=True, mode=mode)
     flop = an.total("total", "TC")["flop"]
     nbytes = an.total("total", "SN")["bytes"] + an.total("total", "EW")["bytes"]
     tokens, hidden, ffn = config.batch_size * config.max_seq_len, config.hidden_size, config.ffn_size

@@ -19,7 +19,8 @@ def _header(r: dict) -> list[str]:
     isa = " ".join(m.get("isa") or []) or "flags unknown"
     return [f"{c['name']}: B={r['batch_size']} L={r['seq_len']} I={c['hidden_size']} H={c['num_heads']} "
             f"U={c['ffn_size']} {c['activation']} {c['layer_norm']}-LN {c['dtype']} mask={c['mask']}, "
-            f"train mode, dropout {c['dropout']['attention']}/{c['dropout']['hidden']}/{c['dropout']['activation']}",
+            (f"train mode, dropout {c['dropout']['attention']}/{c['dropout']['hidden']}/{c['dropout']['activation']}"
+             if r.get("mode", "train") == "train" else "eval mode, torch.inference_mode (Substation: inference build)"),
             f"machine: {m['cpu']} ({isa}), {m['cores']} logical CPUs; threads: {r['threads']} "
             f"(torch.get_num_threads(), all implementations)" + (f"; load average {load[0]:.2f}" if load else "")]
 
@@ -35,16 +36,25 @@ def format_bench(r: dict) -> str:
     lines.append("compile (cold caches): " + (", ".join(comp) or "-"))
     lines.append(f"check (eval mode, same weights): max relative error vs eager {r['max_rel_error_vs_eager']:.1e}")
     lines.append(f"medians of {r['repeats']} interleaved rounds after {r['warmup']} warm-up step(s) each:")
-    lines.append(f"  {'':<16}{'forward ms':>12}{'backward ms':>13}{'fwd+bwd ms':>12}{'saved MiB':>11}")
+    train = r.get("mode", "train") == "train"
+    if train:
+        lines.append(f"  {'':<16}{'forward ms':>12}{'backward ms':>13}{'fwd+bwd ms':>12}{'saved MiB':>11}")
+    else:
+        lines.append(f"  {'':<16}{'forward ms':>12}{'min ms':>10}{'max ms':>10}")
     for n, v in impls.items():
         s = v["seconds"]
-        lines.append(f"  {_NAMES.get(n, n):<16}{s['forward']['median'] * 1e3:>12.2f}"
-                     f"{s['backward']['median'] * 1e3:>13.2f}{s['forward_backward']['median'] * 1e3:>12.2f}"
-                     f"{v['saved_for_backward_bytes'] / 2**20:>11.2f}")
+        if train:
+            lines.append(f"  {_NAMES.get(n, n):<16}{s['forward']['median'] * 1e3:>12.2f}"
+                         f"{s['backward']['median'] * 1e3:>13.2f}{s['forward_backward']['median'] * 1e3:>12.2f}"
+                         f"{v['saved_for_backward_bytes'] / 2**20:>11.2f}")
+        else:
+            lines.append(f"  {_NAMES.get(n, n):<16}{s['forward']['median'] * 1e3:>12.2f}"
+                         f"{s['forward']['min'] * 1e3:>10.2f}{s['forward']['max'] * 1e3:>10.2f}")
     lines.append(f"  eager module: {impls['eager']['label']}")
     sc = r["speedup_vs_compile"]
     lines.append(f"speedup_vs_eager {r['speedup_vs_eager']:.3f}x, speedup_vs_compile "
-                 + (f"{sc:.3f}x" if sc is not None else "- (torch.compile skipped)") + " (forward+backward)")
+                 + (f"{sc:.3f}x" if sc is not None else "- (torch.compile skipped)")
+                 + (" (forward+backward)" if train else " (forward, eval)"))
     lim = r.get("limit")
     if lim:
         per = lim["per_implementation"]

@@ -50,7 +50,8 @@ def format_report(analysis: Analysis) -> str:
     c = a.config
     lines = [f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
              f"U={c.ffn_size} {c.dtype} ({c.itemsize} bytes) {c.layer_norm}-LN {c.activation}"
-             + ("  [optimized graphs]" if a.optimized else "  [unfused graphs]")]
+             + ("  [optimized graphs]" if a.optimized else "  [unfused graphs]")
+             + ("  [inference build: forward only, no dropout, nothing saved]" if a.mode == "inference" else "")]
     width = max([len("operator")] + [len(o.name) for o in a.operators])
     head = f"{'operator':<{width}} {'pass':<8} {'class':<5} {'GFLOP':>9} {'MB read':>9} {'MB writ.':>9} {'flop/B':>8}"
     if m:
@@ -97,8 +98,8 @@ def format_report(analysis: Analysis) -> str:
     if m:
         lines.append(f"measured: copy bandwidth {m.copy_bandwidth / 1e9:.2f} GB/s (STREAM-like copy, "
                      f"{m.copy_buffer_bytes / 2 ** 20:.0f} MiB buffers); "
-                     f"forward {m.pass_seconds['forward'] * 1e3:.2f} ms, backward "
-                     f"{m.pass_seconds['backward'] * 1e3:.2f} ms wall (median of {m.repeats}); "
+                     + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in m.pass_seconds.items())
+                     + f" wall (median of {m.repeats}); "
                      f"timed operators {tot['seconds'] * 1e3:.2f} ms")
     sh = shares["total"]
     paper_other = PAPER_CLASS_SHARES["SN"]["runtime_pct"] + PAPER_CLASS_SHARES["EW"]["runtime_pct"]

@@ -60,7 +60,8 @@ class Candidate:
 
 def time_step(candidate: Candidate, x, dy) -> tuple[float, float]:
     """One forward+backward step of ``candidate``: gradients cleared (set to None), a fresh leaf copy of
-    ``x`` that requires grad, ``y = call(x)`` timed, then ``y.backward(dy)`` timed on its own.
+    ``x`` that requires grad, ``y = call(x)`` timed, then ``y.backward(dy)`` timed on its own. With
+    ``dy`` None, an inference step: ``call(x)`` under ``torch.inference_mode`` alone (backward 0).
 
     Returns:
         (forward seconds, backward seconds).
@@ -68,6 +69,12 @@ def time_step(candidate: Candidate, x, dy) -> tuple[float, float]:
     Raises:
         whatever the candidate raises.
     """
+    if dy is None:
+        import torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            candidate.call(x)
+            return time.perf_counter() - t0, 0.0
     for p in candidate.params:
         p.grad = None
     xg = x.detach().requires_grad_()
@@ -81,8 +88,9 @@ def time_step(candidate: Candidate, x, dy) -> tuple[float, float]:
 
 def interleaved_times(candidates: Iterable[Candidate], x, dy, repeats: int, warmup: int = 1) -> dict:
     """Time the candidates interleaved: ``warmup`` untimed steps of each, then ``repeats`` rounds of one
-    step per candidate, the starting candidate rotating every round (so none always runs first).
-    Python's garbage collector is paused during the rounds.
+    step per candidate (:func:`time_step`; ``dy`` None: inference steps), the starting candidate
+    rotating every round (so none always runs first). Python's garbage collector is paused during the
+    rounds.
 
     Returns:
         name -> pass (``forward``, ``backward``, ``forward_backward``) -> list of seconds, one per round.

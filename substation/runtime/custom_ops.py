@@ -49,8 +49,11 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
 
 @torch.library.custom_op("substation::layer_forward", mutates_args=())
 def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
-                   params: list[torch.Tensor], seed: torch.Tensor, training: bool) -> list[torch.Tensor]:
+                   params: list[torch.Tensor], seed: torch.Tensor, training: bool,
+                   forward_only: bool) -> list[torch.Tensor]:
     compiled = registered_layer(key)
+    if forward_only:  # no gradient needed, no dropout: the inference build writes Y alone
+        compiled = compiled.forward_only()
     b, j, _ = x.shape
     given = {"X": x, **dict(zip(parameter_names(compiled.config), params))}
     if compiled.config.mask != "none":
@@ -61,8 +64,10 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
 
 
 @_layer_forward.register_fake
-def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training):
+def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training, forward_only):
     compiled = registered_layer(key)
+    if forward_only:  # shapes without loading the inference build (no tensors may be made here)
+        return [x.new_empty(x.shape, dtype=compiled.forward.dtypes["Y"])]
     sizes = compiled.config.sizes(x.shape[0], x.shape[1])
     info = {t.name: t for t in compiled.forward.produced}
     return [x.new_empty(info[n].shape(sizes), dtype=compiled.forward.dtypes[n]) for n in compiled.produced_names]
@@ -89,7 +94,10 @@ def _layer_backward_fake(key, dy, saved, seed, training):
 
 
 def _layer_setup_context(ctx, inputs, output):
-    key, x, _, _, params, seed, training = inputs
+    key, x, _, _, params, seed, training, forward_only = inputs
+    ctx.forward_only = forward_only
+    if forward_only:
+        return
     compiled = registered_layer(key)
     env = {"X": x, **dict(zip(parameter_names(compiled.config), params)), **dict(zip(compiled.produced_names, output))}
     ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
@@ -98,13 +106,16 @@ def _layer_setup_context(ctx, inputs, output):
 
 
 def _layer_grad(ctx, grads):
+    if ctx.forward_only:
+        raise RuntimeError("this layer call ran forward-only (no gradient was needed when it ran); "
+                           "run it with gradients enabled to differentiate it")
     seed, *saved = ctx.saved_tensors
     x_shape, param_shapes, x_dtype = ctx.shapes
     dy = grads[0]
     if dy is None:
         dy = torch.zeros(x_shape, dtype=x_dtype, device=seed.device)
     dx, *dparams = _layer_backward(ctx.key, dy.contiguous().to(x_dtype), saved, seed, ctx.training)
-    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None
+    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None, None
 
 
 torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_context=_layer_setup_context)
@@ -159,6 +170,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     True/1. ``key_padding_mask`` follows PyTorch: bool ``[B, K]``, True marks padding. Boolean masks
     become 0 / -inf. ``training`` with a dropout probability > 0 draws a fresh seed from PyTorch's
     generator (so ``torch.manual_seed`` and checkpoint recomputation reproduce the dropout masks).
+    A call that needs no gradient (``torch.no_grad``, ``torch.inference_mode``, or neither the input
+    nor a parameter requires grad) and draws no dropout runs the forward-only inference build
+    (:meth:`~substation.runtime.CompiledLayer.forward_only`: nothing saved, no dropout kernels).
 
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
@@ -208,6 +222,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
                             f"{tuple(mask.shape)}")
     training = training and any(v > 0 for v in config.dropout.probabilities())
     seed = torch.randint(0, 2 ** 62, (1,)) if training else torch.zeros(1, dtype=torch.int64)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
     outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
-                             [p if p.is_contiguous() else p.contiguous() for p in params], seed, training)
+                             [p if p.is_contiguous() else p.contiguous() for p in params], seed, training,
+                             not needs_grad and not training)
     return outputs[0]

@@ -7,6 +7,7 @@ import ctypes
 import dataclasses
 import os
 import threading
+from typing import Callable
 
 import torch
 
@@ -186,30 +187,49 @@ class CompiledGraph:
 
 @dataclasses.dataclass
 class CompiledLayer:
-    """The compiled forward and backward graphs of one config plus build facts.
+    """The compiled graphs of one config plus build facts: forward and backward (mode ``train``) or
+    forward alone (mode ``inference``).
 
     Attributes:
         config: the encoder config.
-        forward, backward: the loaded graphs.
+        forward, backward: the loaded graphs (backward None in mode ``inference``).
         build_seconds: compile time of each library (0 when it came from the cache).
         sources: generated C++ source of each graph.
         options: the keyword arguments of :func:`substation.pipeline.compile_layer` that produced it
-            (``fuse``, ``layout``, ``instrument``), so it can be rebuilt (e.g. after unpickling).
+            (``fuse``, ``layout``, ``instrument``, ``mode``), so it can be rebuilt (e.g. after unpickling).
+        inference_build: ``() -> CompiledLayer``, the forward-only build of the same config (the
+            pipeline supplies it; built through the cache on first use); None for the build itself.
     """
 
     config: EncoderConfig
     forward: CompiledGraph
-    backward: CompiledGraph
+    backward: CompiledGraph | None
     build_seconds: dict
     sources: dict
     options: dict = dataclasses.field(default_factory=dict)
+    inference_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         self.key = register_layer(self)
 
     @property
+    def mode(self) -> str:
+        """``train`` (with a backward library) or ``inference``."""
+        return "train" if self.backward is not None else "inference"
+
+    def forward_only(self) -> "CompiledLayer":
+        """The build to run when no gradient is needed and no dropout is drawn: the inference build
+        (this build itself in mode ``inference``, or when none was supplied)."""
+        if self.backward is None or self.inference_build is None:
+            return self
+        return self.inference_build()
+
+    @property
     def saved_names(self) -> list[str]:
-        """Tensors the backward graph reads besides dY: forward tensors and parameters."""
+        """Tensors the backward graph reads besides dY: forward tensors and parameters (none in mode
+        ``inference``)."""
+        if self.backward is None:
+            return []
         return [t.name for t in self.backward.args if t.role in ("saved", "param")]
 
     @property

@@ -1,0 +1,178 @@
+"""The forward-only inference build: no backward library, nothing saved, no dropout, a workspace whose
+buffers are reused, chosen at call time when no gradient is needed; its analysis and bench modes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from substation import EncoderLayer
+from substation.backends.common import workspace_slots
+from substation.backends.cpu.codegen import tensor_dtypes
+from substation.cli import main
+from substation.perf.analysis import analyze
+from substation.pipeline import PipelineOptions, cached_compile, compile_graphs
+from substation.reference import ReferenceEncoderLayer
+from substation.runtime import CompiledLayer, parameter_names
+
+
+@pytest.fixture(scope="module")
+def timed():
+    """The instrumented tiny build (float64, dropout 0.1) and its inference build."""
+    compiled = cached_compile("tiny", instrument=True)
+    return compiled, compiled.forward_only()
+
+
+def _workspace_bytes(lib, b, j):
+    import ctypes
+    fn = lib.lib.substation_workspace_bytes
+    fn.restype = ctypes.c_int64
+    return fn((ctypes.c_int64 * 3)(b, j, j))
+
+
+def test_inference_build_reads_the_inputs_and_writes_y_alone(timed):
+    train, inference = timed
+    assert train.mode == "train" and inference.mode == "inference"
+    assert inference.backward is None and inference.saved_names == [] and inference.produced_names == ["Y"]
+    assert inference.forward_only() is inference and train.forward_only() is inference
+    assert [t.name for t in inference.forward.args] == ["X", "mask", *parameter_names(train.config), "Y"]
+    assert not any(t.role == "saved" for t in inference.forward.graph.tensors.values())
+    assert {t.name for t in train.forward.produced} > {"Y"}  # the training forward saves for backward
+
+
+def test_inference_graph_has_no_dropout_and_fewer_operators():
+    config = "tiny"
+    train_fwd, _ = compile_graphs(config)
+    inf_fwd, inf_bwd = compile_graphs(config, mode="inference")
+    assert inf_bwd is None
+    train_kinds = [op.kind for op in train_fwd.operators()]
+    inf_kinds = [op.kind for op in inf_fwd.operators()]
+    dropouts = train_kinds.count("dropout")
+    assert dropouts == 3  # attention, attention output, feed-forward output (tiny: activation dropout 0)
+    assert "dropout" not in inf_kinds and len(inf_kinds) == len(train_kinds) - dropouts
+    fused, _ = compile_graphs(config, fuse_ops=True, mode="inference")
+    assert all(m["kind"] != "dropout" for op in fused.operators() if op.kind == "fused" for m in op.attrs["ops"])
+
+
+def test_workspace_buffers_are_reused_once_dead(timed):
+    train, inference = timed
+    graph = inference.forward.graph
+    slots = workspace_slots(graph, tensor_dtypes(graph))
+    temps = [t for t, info in graph.tensors.items() if info.role == "temp"]
+    assert sorted(t for s in slots for t in s) == sorted(temps)
+    assert len(slots) < len(temps)
+    b, j = 4, 16
+    sizes = graph.config.sizes(b, j)
+    # the training forward writes its saved tensors besides its workspace; the inference build keeps
+    # every intermediate in a workspace of reused buffers
+    saved = sum(8 * _numel(t, sizes) for t in train.forward.graph.tensors.values() if t.role == "saved")
+    assert _workspace_bytes(inference.forward, b, j) < _workspace_bytes(train.forward, b, j) + saved
+
+
+def _numel(info, sizes):
+    n = 1
+    for d in info.dims:
+        n *= sizes[d]
+    return n
+
+
+def _op_total(lib):
+    return sum(lib.op_seconds(reset=True).values())
+
+
+def test_no_grad_eval_runs_the_inference_build_and_matches_float64(timed):
+    train, inference = timed
+    layer = EncoderLayer(train)
+    ref = ReferenceEncoderLayer(train.config, torch.float64)
+    ref.load_state_dict(layer.state_dict())
+    layer.eval(), ref.eval()
+    b, j = 3, 9
+    x = torch.randn(b, j, train.config.hidden_size, dtype=torch.float64)
+    mask = torch.zeros(b, j, dtype=torch.float64)
+    mask[1, 6:] = float("-inf")
+    mask[2, :] = float("-inf")  # a fully padded row
+    _op_total(train.forward), _op_total(inference.forward)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            y = layer(x, mask)
+        assert _op_total(inference.forward) > 0 and _op_total(train.forward) == 0
+        assert float((y - ref(x, mask).detach()).abs().max()) <= 1e-12
+    # nothing requires grad: also forward-only
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    layer(x, mask)
+    assert _op_total(inference.forward) > 0 and _op_total(train.forward) == 0
+    for p in layer.parameters():
+        p.requires_grad_(True)
+    # a gradient is needed: the training build
+    y = layer(x.requires_grad_(), mask)
+    assert _op_total(train.forward) > 0 and _op_total(inference.forward) == 0
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_train_mode_without_grad_still_draws_dropout(timed):
+    train, inference = timed
+    layer = EncoderLayer(train).train()
+    x = torch.randn(2, 8, train.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        y_train = layer(x)
+        y_eval = layer.eval()(x)
+    assert _op_total(train.forward) > 0
+    assert float((y_train - y_eval).abs().max()) > 1e-3  # dropout was applied in train mode
+
+
+def test_forward_only_under_torch_compile_without_graph_breaks(timed):
+    train, _ = timed
+    layer = EncoderLayer(train).eval()
+    x = torch.randn(2, 8, train.config.hidden_size, dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.inference_mode():
+        y, y_ref = compiled(x), layer(x)
+    assert torch.equal(y, y_ref)
+
+
+def test_drop_in_layers_choose_the_inference_build(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from substation.interop import drop_in
+    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, torch_dtype="float64")
+    hf = transformers.models.bert.modeling_bert.BertLayer(cfg).double().eval()
+    layer = drop_in(hf)
+    calls = []
+    original = CompiledLayer.forward_only
+
+    def counting(self):
+        calls.append(self.mode)
+        return original(self)
+    monkeypatch.setattr(CompiledLayer, "forward_only", counting)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x)
+    assert calls == ["train"]
+    layer(x.requires_grad_())
+    assert calls == ["train"]
+
+
+def test_pipeline_options_mode():
+    assert PipelineOptions.from_dict(PipelineOptions(mode="inference").to_dict()).mode == "inference"
+    with pytest.raises(ValueError, match="mode must be one of train, inference"):
+        PipelineOptions(mode="eval")
+    with pytest.raises(ValueError, match="inference build uses PyTorch's layouts"):
+        PipelineOptions(mode="inference", layout="bert-base")
+
+
+def test_analysis_of_the_inference_build(tmp_path):
+    train = analyze("tiny", optimized=True)
+    inference = analyze("tiny", optimized=True, mode="inference")
+    assert inference.mode == "inference" and not inference.select("backward")
+    assert inference.total("forward", "TC")["flop"] == train.total("forward", "TC")["flop"]
+    # no dropout and nothing saved for backward: fewer bytes than the training forward
+    assert inference.total("forward")["bytes"] < train.total("forward")["bytes"]
+    out = tmp_path / "eval.json"
+    assert main(["report", "tiny", "--optimized", "--mode", "eval", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["mode"] == "inference" and all(o["pass"] == "forward" for o in data["operators"])
+    assert data["totals"]["forward"]["all"]["bytes"] == inference.total("forward")["bytes"]
