@@ -174,3 +174,22 @@ def test_bench_cli_errors(capsys):
     assert main(["bench", "tiny", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
     assert main(["bench", "no-such-config"]) == 2
+
+
+def test_bench_eval_mode_times_forward_passes_of_the_inference_build(tmp_path, capsys):
+    js = tmp_path / "e.json"
+    assert main(["bench", "tiny", "--mode", "eval", "--repeats", "3", "--warmup", "1", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    assert r["mode"] == "eval" and set(r["implementations"]) == {"substation", "eager", "compile"}
+    for name, impl in r["implementations"].items():
+        assert len(impl["seconds"]["forward"]["samples"]) == 3 and impl["seconds"]["backward"]["median"] == 0
+        assert "saved_for_backward_bytes" not in impl
+    med = r["median_seconds"]
+    assert math.isclose(r["speedup_vs_eager"], med["eager"]["forward"] / med["substation"]["forward"])
+    assert r["max_rel_error_vs_eager"] < 1e-10
+    assert set(r["implementations"]["substation"]["inference_build_seconds"]) == {"forward"}
+    assert set(r["implementations"]["compile"]["first_call_seconds"]) == {"forward"}
+    out = capsys.readouterr().out
+    assert "eval mode, torch.inference_mode" in out and "(forward, eval)" in out
+    assert main(["bench", "tiny", "--mode", "eval", "--kernels"]) == 2
+    assert "--mode eval" in capsys.readouterr().err

@@ -19,7 +19,7 @@ def _header(r: dict) -> list[str]:
     isa = " ".join(m.get("isa") or []) or "flags unknown"
     return [f"{c['name']}: B={r['batch_size']} L={r['seq_len']} I={c['hidden_size']} H={c['num_heads']} "
             f"U={c['ffn_size']} {c['activation']} {c['layer_norm']}-LN {c['dtype']} mask={c['mask']}, "
-            (f"train mode, dropout {c['dropout']['attention']}/{c['dropout']['hidden']}/{c['dropout']['activation']}"
+            + (f"train mode, dropout {c['dropout']['attention']}/{c['dropout']['hidden']}/{c['dropout']['activation']}"
              if r.get("mode", "train") == "train" else "eval mode, torch.inference_mode (Substation: inference build)"),
             f"machine: {m['cpu']} ({isa}), {m['cores']} logical CPUs; threads: {r['threads']} "
             f"(torch.get_num_threads(), all implementations)" + (f"; load average {load[0]:.2f}" if load else "")]

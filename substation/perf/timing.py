@@ -37,10 +37,10 @@ def set_substation_threads(compiled, threads: int) -> int:
     """
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    lib = compiled.forward.lib
-    lib.omp_set_num_threads(int(threads))
-    compiled.backward.lib.omp_set_num_threads(int(threads))
-    return int(lib.omp_get_max_threads())
+    for graph in (compiled.forward, compiled.backward):
+        if graph is not None:  # an inference build has no backward library
+            graph.lib.omp_set_num_threads(int(threads))
+    return int(compiled.forward.lib.omp_get_max_threads())
 
 
 @dataclasses.dataclass
