@@ -46,10 +46,9 @@ import re
 
 import sympy
 
-from .codegen import (LayoutError, _cxx, _records, _resolve, _size, linear_index, plan_contraction,
-                      row_kernel_space, stat_tensors)
+from .codegen import LayoutError, _cxx, _resolve, _size, linear_index, plan_contraction, stat_tensors
 from .graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
-from .ops import op_kind
+from .rowkernel import RowEmitter, RowKernelModel, build_row_kernel, dimension_symbol
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
 
@@ -58,10 +57,6 @@ STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "
 #: Config dtype -> dtype of the arithmetic (and of normalization statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
-
-
-def _symbol(dim: str):
-    return 3 if dim == "T" else sympy.Symbol(dim)
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
@@ -80,34 +75,28 @@ class _Loop:
     body: list     # statements inside the loop over this thread's vectors
 
 
-class _RowKernel:
-    """One CUDA row kernel for a list of member records (see the module docstring)."""
+class _RowKernel(RowEmitter):
+    """The CUDA rendering of a :class:`~substation.rowkernel.RowKernelModel` (see the module
+    docstring): every sweep is a loop over this thread's vectors of V lanes; a sweep that reduces
+    ends its loop with a group reduction."""
 
-    #: For the kinds' member emitters (:mod:`substation.ops`): the row-major index over letters.
-    linear_index = staticmethod(linear_index)
+    target = "cuda"
+    NAMESPACE = "sscuda::"
 
-    def __init__(self, gen: "_Generator", members: list[dict], name: str, vector: str | None = None):
-        self.gen, self.graph, self.name, self.members = gen, gen.graph, name, members
-        self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
+    def __init__(self, gen: "_Generator", model: RowKernelModel, name: str):
+        super().__init__(model, "comp_t", "comp_t")
+        self.gen, self.graph, self.name = gen, gen.graph, name
+        self.N, self.R = list(model.inner), list(model.rows)
         self.last = self.N[-1]
-        self.column = [m for m in members if op_kind(m["kind"]).reduction == "column"]
-        self.col_outputs = [(t, a) for m in self.column for _, (t, a) in sorted(m["outputs"].items())]
+        col_names = {t for t, _ in model.column_outputs}
         # Memory operands: kernel parameters, in first-use order.
-        self.memory: dict[str, str] = {}
-        written = set()
-        for m in members:
-            for t, a in list(m["inputs"].values()) + list(m["outputs"].values()):
-                if t in self.graph.tensors and t not in self.memory:
-                    self.memory[t] = a
-            written.update(t for t, _ in m["outputs"].values())
-        col_names = {t for t, _ in self.col_outputs}
-        self.params = [(t, a, t in written) for t, a in self.memory.items() if t not in col_names]
+        self.params = [(t, a, t in model.stores) for t, a in model.memory.items() if t not in col_names]
         self.vector_possible = self._vector_possible()
 
     # static facts ---------------------------------------------------------------------------------
     def _vector_possible(self) -> bool:
         vmax = 16 // self.graph.config.itemsize
-        size = _symbol(self.last)
+        size = dimension_symbol(self.last)
         if isinstance(size, int) or size.is_number:
             if int(size) % vmax:
                 return False
@@ -143,12 +132,7 @@ class _RowKernel:
         self.produced: dict[str, int] = {}   # tensor -> loop that produced it (in-kernel)
         self.reads: dict[str, set] = {}      # tensor -> loops that read it
         self.loaded: set[str] = set()        # cached memory tensors already in their buffer
-        self.scalars: dict[str, str] = {}    # row-level values: tensor -> variable
-        self.uid = 0
-
-    def fresh(self, stem: str) -> str:
-        self.uid += 1
-        return f"{stem}{self.uid}_"
+        self.begin_members()
 
     def open_loop(self) -> _Loop:
         if self.loop is None:
@@ -178,16 +162,12 @@ class _RowKernel:
             res.append(f"const int64_t i_{c} = rem_ % {_size(c)}; rem_ /= {_size(c)};")
         return res + ["(void)rem_;"]
 
-    def lane_of(self, c: str) -> str:
-        return f"(i_{c} + l_)" if c == self.last else f"i_{c}"
-
     def _offset(self, t: str, a: str) -> str:
         return _resolve(self.graph, t, a).offset()
 
     def _buffered(self, t: str) -> bool:
         return self.plan is not None and t in self.plan["buffers"]
 
-    # values ---------------------------------------------------------------------------------------
     def val(self, t: str, a: str) -> str:
         """Per-lane expression of tensor ``t`` (access ``a``) inside the open loop, loading it first."""
         lp = self.open_loop()
@@ -211,55 +191,65 @@ class _RowKernel:
             self.loaded.add(t)
         return f"r_{t}[l_]"
 
-    def row_val(self, t: str, a: str) -> str:
-        """A row-level value (access letters within R): a variable, loaded once per row."""
-        if t in self.scalars:
-            return self.scalars[t]
-        var = f"sc_{t}"
-        line = f"const comp_t {var} = sscuda::cvt<comp_t>({t}[{self._offset(t, a)}]);"
-        (self.loop.pre if self.loop is not None else self.rows).append(line)
-        self.scalars[t] = var
-        return var
+    # the RowEmitter hooks ------------------------------------------------------------------------
+    def _hoist(self, line: str) -> None:
+        self.open_loop().pre.append(line)
 
-    def lane(self, stmts: list[str], outputs: list[tuple[str, str, str]] = ()) -> None:
-        """Per-lane statements in the open loop; ``outputs`` are (tensor, access, expression) stored
-        into the tensor's register array, then to memory and/or its buffer."""
+    def _after(self, line: str) -> None:
+        self._close()
+        self.rows.append(line)
+
+    def _load(self, sweep, conn: str, t: str, a: str) -> str:
+        return self.val(t, a)
+
+    def _store(self, sweep, t: str, a: str, expr: str) -> None:
+        sweep.stmt(f"r_{t}[l_] = {expr};")
+
+    def _end_sweep(self, sweep) -> None:
         lp = self.open_loop()
-        for t, _, _ in outputs:
+        for t, _ in sweep.outputs:
             lp.body.append(f"comp_t r_{t}[V];")
-        body = list(stmts) + [f"r_{t}[l_] = {e};" for t, _, e in outputs]
         lp.body.append("SS_UNROLL for (int l_ = 0; l_ < V; ++l_) {")
-        lp.body.extend("  " + s for s in body)
+        lp.body.extend("  " + s for s in sweep.lines)
         lp.body.append("}")
-        for t, a, _ in outputs:
+        for t, a in sweep.outputs:
             self.regs.add(t)
             self.produced[t] = self.loop_id
             if t in self.graph.tensors:
                 lp.body.append(f"sscuda::store<V>({t} + ({self._offset(t, a)}), r_{t});")
             if self._buffered(t):
                 lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+        if sweep.reductions:  # each thread holds a partial result: combine them across the row's group
+            self._close()
+            for acc, op in sweep.reductions:
+                self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_);")
 
-    def put_row(self, t: str, a: str, value: str) -> None:
-        """A row-level output (normalization statistics): kept in a variable, written by lane 0."""
-        self.scalars[t] = value
-        if t in self.graph.tensors:
-            self.rows.append(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
+    def _row_read(self, t: str, a: str, ctype: str) -> str:
+        return f"sscuda::cvt<{ctype}>({t}[{self._offset(t, a)}])"
 
-    def reduce(self, var: str, how: str) -> None:
-        self._close()
-        self.rows.append(f"{var} = sscuda::group_{how}<WARP>({var}, red_);")
+    def _store_row(self, t: str, a: str, value: str) -> None:
+        self._after(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
 
-    # members --------------------------------------------------------------------------------------
-    def ew(self, m, fmt: str) -> None:
-        (t, a), = m["outputs"].values()
-        vals = {c: self.val(*ta) for c, ta in sorted(m["inputs"].items())}
-        self.lane([], [(t, a, fmt.format(**vals))])
+    def _column(self, t: str) -> str:
+        return f"acc_{t}[n0_ + l_]"
+
+    def _index(self, letter: str) -> str:
+        return f"(i_{letter} + l_)" if letter == self.last else f"i_{letter}"
+
+    def _random_bits(self, sweep, stream: int, dims: str) -> str:
+        if self.model.random_run(dims) is None:
+            return f"sscuda::random_bits(seed, {stream}u, (uint64_t)({linear_index(dims, self._index)}))"
+        # The lanes' random indices are consecutive: blocks of eight elements.
+        rw, = self.names("rw")
+        self.open_loop().body += [f"uint32_t {rw}[V];",
+                                  f"if (training) sscuda::random_bits_run<V>(seed, {stream}u, "
+                                  f"(uint64_t)({linear_index(dims, lambda c: f'i_{c}')}), {rw});"]
+        return f"{rw}[l_]"
 
     # whole kernel ---------------------------------------------------------------------------------
     def _emit_rows(self, plan) -> list[str]:
         self._reset(plan)
-        for m in self.members:
-            op_kind(m["kind"]).cuda(self, m, m["attrs"])
+        self.emit_members()
         self._close()
         return self.rows
 
@@ -271,7 +261,7 @@ class _RowKernel:
             if t in self.produced:
                 if any(k > self.produced[t] for k in loops):
                     buffers.append(t)
-            elif len(loops) > 1 and t in self.memory and frozenset(access_letters(self.memory[t])) == self.full:
+            elif len(loops) > 1 and t in self.model.loads and frozenset(access_letters(self.model.memory[t])) == self.model.full:
                 buffers.append(t)
         return {"buffers": buffers}
 
@@ -288,7 +278,7 @@ class _RowKernel:
         plan = self._make_plan()
         rows = self._emit_rows(plan)
         buffers = plan["buffers"]
-        ncol = len(self.col_outputs)
+        ncol = len(self.model.column_outputs)
         nslots = len(buffers) + ncol
         k = self.name
         params = [f"{'' if w else 'const '}{self.gen.ctype(t)}* __restrict__ {t}" for t, _, w in self.params]
@@ -297,7 +287,7 @@ class _RowKernel:
         params += ["const int64_t B", "const int64_t J", "const int64_t K", "const uint64_t seed",
                    "const int32_t training"]
         src = [f"// {k}: rows {''.join(self.R) or '-'} x inner {''.join(self.N)}; members: "
-               + ", ".join(f"{m['name']} ({m['kind']})" for m in self.members),
+               + ", ".join(f"{m['name']} ({m['kind']})" for m in self.model.members),
                "template <int V, bool WARP>",
                f"SS_KERNEL void {k}({', '.join(params)}) {{",
                "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
@@ -311,12 +301,12 @@ class _RowKernel:
                f"  comp_t* row_mem_ = smem_ + 32 + (int64_t)grp_ * {max(nslots, 1)} * nn_; (void)row_mem_;"]
         for q, t in enumerate(buffers):
             src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
-        for q, (t, _) in enumerate(self.col_outputs):
+        for q, (t, _) in enumerate(self.model.column_outputs):
             src.append(f"  comp_t* acc_{t} = row_mem_ + (int64_t){len(buffers) + q} * nn_;")
         if ncol:
             src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
-            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.col_outputs]
+            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.model.column_outputs]
             src.append("    }")
         src.append("  for (int64_t row_ = (int64_t)SS_BID * rpb_ + grp_; row_ < nrows_; "
                    "row_ += (int64_t)SS_GDIM * rpb_) {")
@@ -330,13 +320,13 @@ class _RowKernel:
             src.append("  const int64_t slot_ = (int64_t)SS_BID * rpb_ + grp_;")
             src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
-            for q, (t, _) in enumerate(self.col_outputs):
+            for q, (t, _) in enumerate(self.model.column_outputs):
                 src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[nv_ * V + l_];")
             src.append("    }")
         src += ["}", ""]
         # The second pass of the column reductions: columns x slot groups per block, each thread adds
         # a fixed subset of slots in order, then one thread per column adds the groups in order.
-        for q, (t, a) in enumerate(self.col_outputs):
+        for q, (t, a) in enumerate(self.model.column_outputs):
             src += [f"SS_KERNEL void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
                     "const int64_t slots_, const int64_t B, const int64_t J, const int64_t K) {",
                     "  (void)B; (void)J; (void)K;",
@@ -375,7 +365,7 @@ class _RowKernel:
                   f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {max(nslots, 1)}, {col}, sizeof(comp_t));",
                   f"  auto kern_ = {pick};",
                   f"  SS_CHECK(sscuda::launch(\"{k}\", kern_, cfg_.grid, cfg_.block, cfg_.smem, stream_, {args}));"]
-        for q, (t, _) in enumerate(self.col_outputs):
+        for q, (t, _) in enumerate(self.model.column_outputs):
             launch.append(f"  SS_CHECK(sscuda::launch(\"{k}_sum{q}\", &{k}_sum{q}, "
                           f"std::min<int64_t>((nn_ + sscuda::kColX - 1) / sscuda::kColX, 65535), "
                           f"sscuda::kColX * sscuda::kColY, sizeof(double) * sscuda::kColX * sscuda::kColY, "
@@ -399,13 +389,13 @@ def _merge_batch(plan) -> list[tuple[list[str], object, object, object, object]]
     for x, sa, sb, sc in plan.batch:
         if groups:
             letters, size, ga, gb, gc = groups[-1]
-            n = _symbol(x)
+            n = dimension_symbol(x)
             ok = all(sympy.simplify((g - s * n).subs(sympy.Symbol("K"), sympy.Symbol("J"))) == 0
                      for g, s in ((ga, sa), (gb, sb), (gc, sc)))
             if ok:
                 groups[-1] = (letters + [x], size * n, sa, sb, sc)
                 continue
-        groups.append(([x], _symbol(x), sa, sb, sc))
+        groups.append(([x], dimension_symbol(x), sa, sb, sc))
     return groups
 
 
@@ -500,7 +490,7 @@ def generate_cuda(graph: LayerGraph) -> str:
             body += ["  " + s for s in _emit_contraction(gen, op)]
             body.append("}")
             continue
-        rk = _RowKernel(gen, _records(graph, op), _kernel_name(n, op.label), op.attrs.get("vector"))
+        rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
         src, launch, ws = rk.generate()
         kernels += src
         body += launch
