@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import make_layer, reference_for, rel
-from substation.config import load_config
-from substation.ops import KINDS, op_kind
+from substation.config import TARGETS, load_config
+from substation.ops import KINDS, OpKind, op_kind
 from substation.passes.layout import load_plan
 from substation.pipeline import compile_graphs
 from substation.reference import run_graph
@@ -35,12 +35,28 @@ def test_every_kind_has_every_piece():
         assert kind.name == name and kind.op_class in ("TC", "SN", "EW")
         assert callable(kind.flop) and callable(kind.reference), name
         if kind.op_class == "TC":
-            assert kind.cpu is None and kind.cuda is None
-        else:
-            assert callable(kind.cpu) and callable(kind.cuda) and kind.letter, name
+            assert kind.row is None and not kind.overrides
+            with pytest.raises(ValueError, match="has no row-kernel body"):
+                kind.row_emitter("cpu")
+        else:  # one body for every target; an override only where a target differs
+            assert callable(kind.row) and kind.letter, name
+            assert set(kind.overrides) <= set(TARGETS) and all(map(callable, kind.overrides.values())), name
+            assert {kind.row_emitter(t) for t in TARGETS} <= {kind.row, *kind.overrides.values()}
         assert kind.reduction in (None, "row", "column")
+    # The CPU's softmax keeps its exponentials in a row buffer (its vector exp routine); nothing else differs.
+    assert {name: sorted(k.overrides) for name, k in KINDS.items() if k.overrides} == {"softmax": ["cpu"]}
     with pytest.raises(ValueError, match=r"unknown operator kind 'group_norm' \(known: activation"):
         op_kind("group_norm")
+
+
+def test_a_kind_without_its_pieces_is_refused():
+    flop, reference, row = (lambda *a: 0), (lambda *a: {}), (lambda k, attrs: None)
+    with pytest.raises(ValueError, match="an EW or SN kind needs a row-kernel body"):
+        OpKind("scale", "EW", flop=flop, reference=reference)
+    with pytest.raises(ValueError, match="a TC kind has no row-kernel body"):
+        OpKind("matmul", "TC", flop=flop, reference=reference, row=row)
+    with pytest.raises(ValueError, match=r"overrides must map targets \(cpu, cuda\)"):
+        OpKind("scale", "EW", flop=flop, reference=reference, row=row, overrides={"tpu": row})
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

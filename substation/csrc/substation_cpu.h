@@ -168,6 +168,9 @@ static inline float exp_(float x) {
   return x < lo ? 0.0f : p * scale;
 }
 static inline double exp_(double x) { return std::exp(x); }
+// 1 / sqrt(x): the normalizations' rstd.
+static inline float rsqrt_(float x) { return 1.0f / std::sqrt(x); }
+static inline double rsqrt_(double x) { return 1.0 / std::sqrt(x); }
 
 // Softmax's exponentials of a row: y[i] = exp_(x[i] - mx) for i < n, returning their sum. With
 // AVX-512 the same reduction and polynomial run as intrinsics (2^k by vscalefps, results under 2^-126

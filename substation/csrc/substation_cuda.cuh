@@ -214,6 +214,11 @@ template <int V> SS_DEV void random_bits_run(uint64_t seed, uint32_t stream, uin
   SS_UNROLL
   for (int l = 0; l < V; ++l) out[l] = random_bits(seed, stream, first + (uint64_t)l);
 }
+// Inverted dropout given an element's 16 random bits, as in substation_cpu.h: x * scale when
+// bits >= threshold, else 0.
+template <typename T> SS_HD T dropout(T x, uint32_t bits, uint32_t threshold, T scale) {
+  return bits >= threshold ? x * scale : T(0);
+}
 
 // ---- elementary functions (compute type float or double) -------------------------------------
 SS_HD float exp_(float x) { return expf(x); }

@@ -83,11 +83,12 @@ def linear_index(letters, index_of) -> str:
     return res or "0"
 
 
-def stride_order(op: Operand, letters) -> list[str]:
-    """Letters sorted outermost first by ``op``'s strides (ties keep the given order)."""
+def stride_order(strides: dict, letters) -> list[str]:
+    """``letters`` sorted outermost first by ``strides`` (letter -> symbolic element stride, e.g.
+    :attr:`Operand.strides`; a letter without one counts as innermost; ties keep the given order),
+    strides evaluated at generic sizes."""
     def key(c):
-        s = op.strides.get(c)
-        return 0 if s is None else -_generic_stride(s)
+        return 0 if c not in strides else -_generic_stride(strides[c])
     return sorted(letters, key=key)
 
 
@@ -124,7 +125,7 @@ def _group(op: Operand, letters: list[str], what: str, ref_order=None):
     """Merge ``letters`` of one operand into a single (size, stride) if they are dense and ordered."""
     if not letters:
         raise LayoutError(f"{what}: empty index group")
-    order = stride_order(op, letters)
+    order = stride_order(op.strides, letters)
     if ref_order is not None and order != ref_order:
         raise LayoutError(f"{what}: index order {''.join(order)} differs from {''.join(ref_order)}")
     for outer, inner in zip(order, order[1:]):
@@ -175,6 +176,6 @@ def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> Contract
         trans_b, ldb = True, bn
     else:
         raise LayoutError(f"{label}: operand {b.name} has no unit-stride GEMM dimension")
-    batch_info = [(x, a.strides[x], b.strides[x], c.strides[x]) for x in stride_order(c, batch)]
+    batch_info = [(x, a.strides[x], b.strides[x], c.strides[x]) for x in stride_order(c.strides, batch)]
     return ContractionPlan(a, b, c, trans_a, trans_b, msize, nsize, ksize, lda, ldb, cm,
                            batch_info)

@@ -47,25 +47,17 @@ def _activation_vjp(d, op, ins, outs, dy, y_acc):
            {"y": d.grad_target(x, a, op.label)}, **op.attrs)
 
 
-def _activation_cpu(k, m, attrs):
-    k.ew(m, f"ss::{attrs['function']}(v_x)")
+def _activation_row(k, attrs):
+    k.map(lambda e: k.fn(attrs["function"], e["x"]))
 
 
-def _activation_cuda(k, m, attrs):
-    k.ew(m, f"sscuda::{attrs['function']}({{x}})")
-
-
-def _activation_grad_cpu(k, m, attrs):
-    k.ew(m, f"v_dy * ss::{attrs['function']}_grad(v_x)")
-
-
-def _activation_grad_cuda(k, m, attrs):
-    k.ew(m, f"{{dy}} * sscuda::{attrs['function']}_grad({{x}})")
+def _activation_grad_row(k, attrs):
+    k.map(lambda e: f"{e['dy']} * {k.fn(attrs['function'] + '_grad', e['x'])}")
 
 
 ACTIVATION = register(OpKind("activation", "EW", flop=_flop_from(ACTIVATION_FLOP, "activation"),
-                             reference=_activation_reference, vjp=_activation_vjp, cpu=_activation_cpu,
-                             cuda=_activation_cuda, letter="A"))
+                             reference=_activation_reference, vjp=_activation_vjp, row=_activation_row,
+                             letter="A"))
 ACTIVATION_GRAD = register(OpKind("activation_grad", "EW", flop=_flop_from(ACTIVATION_GRAD_FLOP, "activation_grad"),
-                                  reference=_activation_grad_reference, cpu=_activation_grad_cpu,
-                                  cuda=_activation_grad_cuda, letter="A"))
+                                  reference=_activation_grad_reference, row=_activation_grad_row,
+                                  letter="A"))

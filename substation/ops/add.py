@@ -9,12 +9,8 @@ def _add_vjp(d, op, ins, outs, dy, y_acc):
         d.pass_through(t, dy)
 
 
-def _add_cpu(k, m, attrs):
-    k.ew(m, " + ".join(f"v_{c}" for c in sorted(m["inputs"])))
-
-
-def _add_cuda(k, m, attrs):
-    k.ew(m, " + ".join("{" + c + "}" for c in sorted(m["inputs"])))
+def _add_row(k, attrs):
+    k.map(lambda e: " + ".join(e[c] for c in sorted(k.member["inputs"])))
 
 
 def _add_flop(attrs, inputs, outputs, size):
@@ -31,5 +27,5 @@ def _add_reference(ins, outs, attrs):
     return {"y": total}
 
 
-ADD = register(OpKind("add", "EW", flop=_add_flop, reference=_add_reference, vjp=_add_vjp, cpu=_add_cpu,
-                      cuda=_add_cuda, letter="R"))
+ADD = register(OpKind("add", "EW", flop=_add_flop, reference=_add_reference, vjp=_add_vjp, row=_add_row,
+                      letter="R"))

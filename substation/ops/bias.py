@@ -13,24 +13,13 @@ def _bias_vjp(d, op, ins, outs, dy, y_acc):
            {"y": d.grad_target(b, b_acc, op.label)})
 
 
-def _bias_cpu(k, m, attrs):
-    k.ew(m, "v_x + v_b")
+def _bias_row(k, attrs):
+    k.map(lambda e: f"{e['x']} + {e['b']}")
 
 
-def _bias_cuda(k, m, attrs):
-    k.ew(m, "{x} + {b}")
-
-
-def _bias_grad_cpu(k, m, attrs):
-    dy = k.read(*m["inputs"]["dy"])
-    (t, _), = m["outputs"].values()
-    k.inner([f"{k.acc[t]}[n_] += {dy};"])
-
-
-def _bias_grad_cuda(k, m, attrs):
-    dy = k.val(*m["inputs"]["dy"])
-    (t, _), = m["outputs"].values()
-    k.lane([f"acc_{t}[n0_ + l_] += {dy};"])
+def _bias_grad_row(k, attrs):
+    with k.sweep() as e:
+        e.add_to_column("y", e["dy"])
 
 
 def _bias_reference(ins, outs, attrs):
@@ -44,6 +33,6 @@ def _bias_grad_reference(ins, outs, attrs):
 
 
 BIAS = register(OpKind("bias", "EW", flop=elementwise_flop(1), reference=_bias_reference, vjp=_bias_vjp,
-                       cpu=_bias_cpu, cuda=_bias_cuda, letter="B"))
+                       row=_bias_row, letter="B"))
 BIAS_GRAD = register(OpKind("bias_grad", "SN", flop=elementwise_flop(1, main="dy"), reference=_bias_grad_reference,
-                            cpu=_bias_grad_cpu, cuda=_bias_grad_cuda, reduction="column", letter="B"))
+                            row=_bias_grad_row, reduction="column", letter="B"))

@@ -59,49 +59,13 @@ def _dropout_vjp(d, op, ins, outs, dy, y_acc):
            {"y": d.grad_target(x, a, op.label)}, **op.attrs)
 
 
-def _dropout_cpu(k, m, attrs):
+def _dropout_row(k, attrs):
     threshold, scale = dropout_constants(attrs["p"])
-    dims = attrs["rng_dims"]
 
-    def index(inner_at_zero: bool) -> str:
-        return k.linear_index(dims, lambda c: "0" if inner_at_zero and c == dims[-1] else f"i_{c}")
-    scale = f"({k.T}){scale!r}"
-    if k.row_random(m):
-        # The row's random index is contiguous: one Philox block per eight elements. Eval mode
-        # keeps every element (threshold 0, scale 1) through the same loop, so it merges with
-        # its neighbours.
-        rw, = k.names("rw")
-        scratch = f"rnd{k.k}_.data()"
-
-        def draw(first: str, count: str) -> str:
-            return (f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {attrs['stream']}u, "
-                    f"(uint64_t)({index(True)}){first}, {count}, {scratch}) : ss::keep_all_bits({scratch});")
-        k.random[rw] = (draw("", "nn_"), draw(" + c0_", "c1_ - c0_"))
-        k.pre(k.random[rw][0])
-        k.ew(m, f"ss::dropout(v_x, {rw}[n_], training ? {threshold}u : 0u, training ? {scale} : ({k.T})1)")
-    else:
-        k.ew(m, f"training ? ss::dropout(v_x, ss::random_bits(seed, {attrs['stream']}u, "
-                 f"(uint64_t)({index(False)})), {threshold}u, {scale}) : v_x")
-
-
-def _dropout_cuda(k, m, attrs):
-    threshold, scale = dropout_constants(attrs["p"])
-    dims = attrs["rng_dims"]
-
-    def index(lane: bool) -> str:
-        return k.linear_index(dims, lambda c: k.lane_of(c) if lane else f"i_{c}")
-    (t, a), = m["outputs"].values()
-    x = k.val(*m["inputs"]["x"])
-    scale = f"(comp_t){scale!r}"
-    if dims[-1] == k.last:  # the lanes' random indices are consecutive: blocks of eight elements
-        rw = k.fresh("rw")
-        k.open_loop().body += [f"uint32_t {rw}[V];",
-                               f"if (training) sscuda::random_bits_run<V>(seed, {attrs['stream']}u, "
-                               f"(uint64_t)({index(False)}), {rw});"]
-        word = f"{rw}[l_]"
-    else:
-        word = f"sscuda::random_bits(seed, {attrs['stream']}u, (uint64_t)({index(True)}))"
-    k.lane([], [(t, a, f"training ? (({word} >= {threshold}u) ? {x} * {scale} : (comp_t)0) : {x}")])
+    def dropped(e):
+        bits = e.random_bits(attrs["stream"], attrs["rng_dims"])
+        return f"training ? {k.fn('dropout', e['x'], bits, f'{threshold}u', k.lit(scale))} : {e['x']}"
+    k.map(dropped)
 
 
 def _dropout_reference(ins, outs, attrs):
@@ -120,4 +84,4 @@ def _dropout_reference(ins, outs, attrs):
 
 
 DROPOUT = register(OpKind("dropout", "EW", flop=elementwise_flop(1), reference=_dropout_reference, vjp=_dropout_vjp,
-                          cpu=_dropout_cpu, cuda=_dropout_cuda, letter="D"))
+                          row=_dropout_row, letter="D"))

@@ -3,7 +3,8 @@ attributes and tinygrad's ``Ops`` are the models).
 
 A kind declares, once, in its own module of :mod:`substation.ops`: its operator class (TC / SN / EW),
 its reduction, its flop rule, its vector-Jacobian rule, its float64 reference semantics and its
-member emitters for the CPU and CUDA row kernels.
+row-kernel member body, written once against :class:`substation.backends.rowkernel.RowEmitter` for every
+target, with per-target overrides only where a target really differs.
 
 Operands of the rules are what the graphs hold: ``inputs`` / ``outputs`` map a connector (``x``,
 ``y``, ``dy``, ...) to a ``(tensor, access)`` pair whose access string names a dimension letter per
@@ -16,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..config import TARGETS
 from ..ir.graph import access_letters
 
 __all__ = ["OpKind", "KINDS", "register", "op_kind", "operand_access", "elements", "elementwise_flop", "align", "reduce_to",
@@ -41,8 +43,10 @@ class OpKind:
         vjp: the vector-Jacobian rule ``(differentiator, op, inputs, outputs, dy, y_access)``, which adds
             the gradient operators to the backward graph; None for kinds only backward graphs or the
             layout pass create.
-        cpu, cuda: row-kernel member emitters ``(kernel, member, attrs)`` of the two code generators;
-            None for contractions (BLAS / cuBLAS).
+        row: the row-kernel member body ``(kernel, attrs)`` against
+            :class:`substation.backends.rowkernel.RowEmitter`, shared by every target; None for contractions
+            (BLAS / cuBLAS), required for every other kind.
+        overrides: target name (``cpu``, ``cuda``) -> a body replacing ``row`` on that target.
         reduction: ``row`` (over the normalized axis ``attrs["axis"]``), ``column`` (over the row
             letters, into the output's letters) or None.
         letter: the kind's letters in fused-kernel names (the paper's style: B bias, D dropout, ...).
@@ -55,8 +59,8 @@ class OpKind:
     flop: Callable
     reference: Callable
     vjp: Callable | None = None
-    cpu: Callable | None = None
-    cuda: Callable | None = None
+    row: Callable | None = None
+    overrides: dict = dataclasses.field(default_factory=dict, hash=False)
     reduction: str | None = None
     letter: str | None = None
     statistics: tuple[str, ...] = ()
@@ -66,6 +70,22 @@ class OpKind:
             raise ValueError(f"kind {self.name}: op_class must be TC, SN or EW, got {self.op_class!r}")
         if self.reduction not in (None, "row", "column"):
             raise ValueError(f"kind {self.name}: reduction must be row, column or None, got {self.reduction!r}")
+        if (self.op_class == "TC") != (self.row is None):
+            raise ValueError(f"kind {self.name}: {'a TC kind has no' if self.row else 'an EW or SN kind needs a'} "
+                             "row-kernel body (row)")
+        if set(self.overrides) - set(TARGETS) or (self.overrides and self.row is None):
+            raise ValueError(f"kind {self.name}: overrides must map targets ({', '.join(TARGETS)}) of a kind "
+                             f"with a row body to bodies, got {sorted(self.overrides)}")
+
+    def row_emitter(self, target: str) -> Callable:
+        """The member body for ``target``: its override there, else :attr:`row`.
+
+        Raises:
+            ValueError: the kind has no row-kernel body (a contraction).
+        """
+        if self.row is None:
+            raise ValueError(f"kind {self.name} ({self.op_class}) has no row-kernel body")
+        return self.overrides.get(target, self.row)
 
 
 def register(kind: OpKind) -> OpKind:

@@ -12,20 +12,14 @@ def _mask_vjp(d, op, ins, outs, dy, y_acc):
     d.pass_through(ins["x"][0], dy)
 
 
-def _mask_cpu(k, m, attrs):
-    expr = "v_x + v_m"
-    if attrs.get("causal"):
-        letters = access_letters(m["outputs"]["y"][1])
-        expr = f"(i_{letters[-1]} > i_{letters[-2]}) ? ({k.T})(-INFINITY) : ({expr})"
-    k.ew(m, expr)
-
-
-def _mask_cuda(k, m, attrs):
-    expr = "{x} + {m}"
-    if attrs.get("causal"):
-        letters = access_letters(m["outputs"]["y"][1])
-        expr = f"({k.lane_of(letters[-1])} > {k.lane_of(letters[-2])}) ? (comp_t)(-INFINITY) : ({expr})"
-    k.ew(m, expr)
+def _mask_row(k, attrs):
+    def masked(e):
+        expr = f"{e['x']} + {e['m']}"
+        if attrs.get("causal"):
+            query, key = access_letters(k.access("y"))[-2:]
+            expr = f"({e.index(key)} > {e.index(query)}) ? {k.neg_inf()} : ({expr})"
+        return expr
+    k.map(masked)
 
 
 def _mask_reference(ins, outs, attrs):
@@ -39,4 +33,4 @@ def _mask_reference(ins, outs, attrs):
 
 
 MASK = register(OpKind("mask", "EW", flop=elementwise_flop(1), reference=_mask_reference, vjp=_mask_vjp,
-                       cpu=_mask_cpu, cuda=_mask_cuda, letter="M"))
+                       row=_mask_row, letter="M"))

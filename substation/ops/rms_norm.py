@@ -43,85 +43,44 @@ def _rms_norm_vjp(d, op, ins, outs, dy, y_acc):
            {"y": d.grad_target(x, a, op.label)}, **op.attrs)
 
 
-def _rms_norm_cpu(k, m, attrs):
-    x, g = k.read(*m["inputs"]["x"]), k.read(*m["inputs"]["gamma"])
-    (y, ya), (rt, ra) = m["outputs"]["y"], m["outputs"]["rstd"]
-    T = k.T
-    ss, r = k.names("ss", "r")
-    # The sum of squares in double, as layer norm's mean: one pass, no cancellation to fear, but
-    # a float sum over a long row would cost rstd digits that every element of the row inherits.
-    k.pre(f"double {ss} = 0;")
-    k.inner([f"const double d_ = {x};", f"{ss} += d_ * d_;"], f"+:{ss}")
-    k.stmt(f"const double {r} = 1.0 / std::sqrt({ss} / nn_ + {attrs['eps']!r});")
-    k.stmt(f"const {T} {r}t_ = ({T}){r};")
-    for line in k.put(rt, ra, r):
-        k.stmt(line)
-    k.inner([f"const {T} v_ = {x} * {r}t_ * {g};"] + k.put(y, ya, "v_"))
+def _rms_norm_row(k, attrs):
+    # The sum of squares in the statistics type S (double on the CPU), as layer norm's mean: one
+    # pass, no cancellation to fear, but a float sum over a long row would cost rstd digits that
+    # every element of the row inherits.
+    ss = k.accumulator("ss", "sum", k.S)
+    with k.sweep() as e:
+        d = e.let("d_", e["x"], k.S)
+        e.reduce(ss, f"{d} * {d}")
+    r = k.let_row("r", k.fn("rsqrt_", f"{ss} / {k.row_length} + {k.lit(attrs['eps'], k.S)}"), k.S)
+    k.row_output("rstd", r)
+    rt = k.narrow(r)
+    with k.sweep() as e:
+        e.store("y", f"{e['x']} * {rt} * {e['gamma']}")
 
 
-def _rms_norm_cuda(k, m, attrs):
-    xt = m["inputs"]["x"]
-    (y, ya), (rt, ra) = m["outputs"]["y"], m["outputs"]["rstd"]
-    ss, r = k.fresh("ss"), k.fresh("r")
-    k.open_loop().pre.append(f"comp_t {ss} = 0;")
-    x = k.val(*xt)
-    k.lane([f"{ss} += {x} * {x};"])
-    k.reduce(ss, "sum")
-    k.rows.append(f"const comp_t {r} = sscuda::rsqrt_({ss} / (comp_t)nn_ + (comp_t){attrs['eps']!r});")
-    k.put_row(rt, ra, r)
-    x, g = k.val(*xt), k.val(*m["inputs"]["gamma"])
-    k.lane([], [(y, ya, f"({x} * {r}) * {g}")])
+def _rms_norm_grad_row(k, attrs):
+    r = k.row_input("rstd")
+    s = k.accumulator("s", "sum")
+    with k.sweep() as e:
+        e.reduce(s, f"{e['gamma']} * {e['dy']} * ({e['x']} * {r})")
+    k.row(f"{s} /= {k.row_length};")
+    with k.sweep() as e:
+        e.store("y", f"{r} * ({e['gamma']} * {e['dy']} - ({e['x']} * {r}) * {s})")
 
 
-def _rms_norm_grad_cpu(k, m, attrs):
-    dy, x, g, r_in = (k.read(*m["inputs"][c]) for c in ("dy", "x", "gamma", "rstd"))
-    t, a = m["outputs"]["y"]
-    T = k.T
-    r, s = k.names("r", "s")
-    k.pre(f"const {T} {r} = ({T}){r_in};")
-    k.pre(f"{T} {s} = 0;")
-    k.inner([f"{s} += {g} * {dy} * ({x} * {r});"], f"+:{s}")
-    k.stmt(f"{s} /= nn_;")
-    k.inner([f"const {T} v_ = {r} * ({g} * {dy} - ({x} * {r}) * {s});"] + k.put(t, a, "v_"))
-
-
-def _rms_norm_grad_cuda(k, m, attrs):
-    ins = m["inputs"]
-    t, a = m["outputs"]["y"]
-    r = k.row_val(*ins["rstd"])
-    s = k.fresh("s")
-    k.open_loop().pre.append(f"comp_t {s} = 0;")
-    dy, x, g = k.val(*ins["dy"]), k.val(*ins["x"]), k.val(*ins["gamma"])
-    k.lane([f"{s} += ({g} * {dy}) * ({x} * {r});"])
-    k.reduce(s, "sum")
-    k.rows.append(f"{s} /= (comp_t)nn_;")
-    dy, x, g = k.val(*ins["dy"]), k.val(*ins["x"]), k.val(*ins["gamma"])
-    k.lane([], [(t, a, f"{r} * ({g} * {dy} - ({x} * {r}) * {s})")])
-
-
-def _rms_norm_param_grad_cpu(k, m, attrs):
-    dy, x, r_in = (k.read(*m["inputs"][c]) for c in ("dy", "x", "rstd"))
-    dg = m["outputs"]["dgamma"][0]
-    r, = k.names("r")
-    k.pre(f"const {k.T} {r} = ({k.T}){r_in};")
-    k.inner([f"{k.acc[dg]}[n_] += {dy} * ({x} * {r});"])
-
-
-def _rms_norm_param_grad_cuda(k, m, attrs):
-    ins = m["inputs"]
-    r = k.row_val(*ins["rstd"])
-    dy, x = k.val(*ins["dy"]), k.val(*ins["x"])
-    dg = m["outputs"]["dgamma"][0]
-    k.lane([f"acc_{dg}[n0_ + l_] += {dy} * ({x} * {r});"])
+def _rms_norm_param_grad_row(k, attrs):
+    r = k.row_input("rstd")
+    with k.sweep() as e:
+        e.add_to_column("dgamma", f"{e['dy']} * ({e['x']} * {r})")
 
 
 RMS_NORM = register(OpKind("rms_norm", "SN", flop=elementwise_flop(4, 4), reference=_rms_norm_reference,
-                           vjp=_rms_norm_vjp, cpu=_rms_norm_cpu, cuda=_rms_norm_cuda, reduction="row",
+                           vjp=_rms_norm_vjp, row=_rms_norm_row, reduction="row",
                            letter="RN", statistics=STATISTICS))
 RMS_NORM_GRAD = register(OpKind("rms_norm_grad", "SN", flop=elementwise_flop(7, 1), reference=_rms_norm_grad_reference,
-                                cpu=_rms_norm_grad_cpu, cuda=_rms_norm_grad_cuda, reduction="row", letter="RN",
+                                row=_rms_norm_grad_row, reduction="row", letter="RN",
                                 statistics=STATISTICS))
 RMS_NORM_PARAM_GRAD = register(OpKind("rms_norm_param_grad", "SN", flop=elementwise_flop(3, main="dy"),
-                                      reference=_rms_norm_param_grad_reference, cpu=_rms_norm_param_grad_cpu,
-                                      cuda=_rms_norm_param_grad_cuda, reduction="column", letter="G",
+                                      reference=_rms_norm_param_grad_reference,
+                                      row=_rms_norm_param_grad_row, reduction="column", letter="G",
                                       statistics=STATISTICS))

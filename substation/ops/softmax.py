@@ -29,69 +29,56 @@ def _softmax_vjp(d, op, ins, outs, dy, y_acc):
            {"y": d.grad_target(x, a, op.label)}, **op.attrs)
 
 
-def _softmax_cpu(k, m, attrs):
-    xt, xa = m["inputs"]["x"]
-    x = k.read(xt, xa)
-    y, ya = m["outputs"]["y"]
-    T = k.T
-    mx, sm, inv = k.names("mx", "s", "inv")
-    k.pre(f"{T} {mx} = ({T})(-INFINITY);")
-    k.inner([f"{mx} = std::max({mx}, ({T}){x});"], f"max:{mx}")
+def _recomputed_exponentials(k, mx):
+    """(row sum of exp(x - mx), element -> exp(x - mx)): the exponentials computed again where used."""
+    s = k.accumulator("s", "sum")
+    with k.sweep() as e:
+        e.reduce(s, k.fn("exp_", f"{e['x']} - {mx}"))
+    return s, lambda e: k.fn("exp_", f"{e['x']} - {mx}")
+
+
+def _softmax_row(k, attrs, exponentials=_recomputed_exponentials):
+    mx = k.accumulator("mx", "max")
+    with k.sweep() as e:
+        e.reduce(mx, e["x"])
     # Every key masked (max -inf): exp gives 0 everywhere and the probabilities are 0, without a
-    # branch, so the normalizing loop merges with what follows.
-    k.stmt(f"if ({mx} == ({T})(-INFINITY)) {mx} = 0;")
-    row = k.row_start(xt, xa, x) if T == "float" else None
-    if row:  # a contiguous row: one vector routine
-        k.stmt(f"{T} {sm} = ss::exp_shifted_row({row}, &buf_{y}[0], nn_, {mx});")
-    else:
-        k.pre(f"{T} {sm} = 0;")
-        k.inner([f"const {T} e_ = ss::exp_(({T}){x} - {mx});", f"buf_{y}[n_] = e_;", f"{sm} += e_;"], f"+:{sm}")
-    k.stmt(f"const {T} {inv} = {sm} == 0 ? ({T})0 : ({T})(1.0 / {sm});")  # a NaN sum stays NaN
-    k.inner([f"const {T} v_ = buf_{y}[n_] * {inv};"] + k.put(y, ya, "v_"))
+    # branch, so the normalizing sweep merges with what follows.
+    k.row(f"if ({mx} == {k.neg_inf()}) {mx} = 0;")
+    s, exp_of = exponentials(k, mx)
+    inv = k.let_row("inv", f"{s} == 0 ? {k.lit(0)} : {k.lit(1)} / {s}")  # a NaN sum stays NaN
+    with k.sweep() as e:
+        e.store("y", f"{exp_of(e)} * {inv}")
 
 
-def _softmax_cuda(k, m, attrs):
-    xt = m["inputs"]["x"]
-    y, ya = m["outputs"]["y"]
-    mx, s, inv, dead = k.fresh("mx"), k.fresh("s"), k.fresh("inv"), k.fresh("dead")
-    k.open_loop().pre.append(f"comp_t {mx} = (comp_t)(-INFINITY);")
-    x = k.val(*xt)
-    k.lane([f"{mx} = sscuda::max_({mx}, {x});"])
-    k.reduce(mx, "max")
-    # Every key masked (-inf): probabilities 0 (the documented behaviour), not NaN.
-    k.rows.append(f"const bool {dead} = {mx} == (comp_t)(-INFINITY);")
-    k.open_loop().pre.append(f"comp_t {s} = 0;")
-    x = k.val(*xt)
-    k.lane([f"{s} += {dead} ? (comp_t)0 : sscuda::exp_({x} - {mx});"])
-    k.reduce(s, "sum")
-    k.rows.append(f"const comp_t {inv} = (comp_t)1 / {s};")
-    x = k.val(*xt)
-    k.lane([], [(y, ya, f"{dead} ? (comp_t)0 : sscuda::exp_({x} - {mx}) * {inv}")])
+def _buffered_exponentials(k, mx):
+    """CPU: each exponential computed once into the output's row buffer (an exp costs more than the
+    buffer's traffic), by the vector routine ``ss::exp_shifted_row`` for a contiguous float row."""
+    buf = k.output_buffer("y")
+    row = k.row_start("x") if k.T == "float" else None
+    if row:
+        return k.let_row("s", f"ss::exp_shifted_row({row}, &{buf}[0], {k.row_length}, {mx})"), lambda e: f"{buf}[n_]"
+    s = k.accumulator("s", "sum")
+    with k.sweep() as e:
+        ex = e.let("e_", k.fn("exp_", f"{e['x']} - {mx}"))
+        e.stmt(f"{buf}[n_] = {ex};")
+        e.reduce(s, ex)
+    return s, lambda e: f"{buf}[n_]"
 
 
-def _softmax_grad_cpu(k, m, attrs):
-    dy, pr = k.read(*m["inputs"]["dy"]), k.read(*m["inputs"]["probs"])
-    t, a = m["outputs"]["y"]
-    dot, = k.names("dot")
-    k.pre(f"{k.T} {dot} = 0;")
-    k.inner([f"{dot} += {dy} * {pr};"], f"+:{dot}")
-    k.flush()
-    k.inner([f"const {k.T} v_ = {pr} * ({dy} - {dot});"] + k.put(t, a, "v_"))
+def _softmax_cpu(k, attrs):
+    _softmax_row(k, attrs, _buffered_exponentials)
 
 
-def _softmax_grad_cuda(k, m, attrs):
-    dyt, prt = m["inputs"]["dy"], m["inputs"]["probs"]
-    t, a = m["outputs"]["y"]
-    dot = k.fresh("dot")
-    k.open_loop().pre.append(f"comp_t {dot} = 0;")
-    dy, pr = k.val(*dyt), k.val(*prt)
-    k.lane([f"{dot} += {dy} * {pr};"])
-    k.reduce(dot, "sum")
-    dy, pr = k.val(*dyt), k.val(*prt)
-    k.lane([], [(t, a, f"{pr} * ({dy} - {dot})")])
+def _softmax_grad_row(k, attrs):
+    dot = k.accumulator("dot", "sum")
+    with k.sweep() as e:
+        e.reduce(dot, f"{e['dy']} * {e['probs']}")
+    with k.sweep() as e:
+        e.store("y", f"{e['probs']} * ({e['dy']} - {dot})")
 
 
 SOFTMAX = register(OpKind("softmax", "SN", flop=elementwise_flop(5, 1), reference=_softmax_reference,
-                          vjp=_softmax_vjp, cpu=_softmax_cpu, cuda=_softmax_cuda, reduction="row", letter="S"))
+                          vjp=_softmax_vjp, row=_softmax_row, overrides={"cpu": _softmax_cpu}, reduction="row",
+                          letter="S"))
 SOFTMAX_GRAD = register(OpKind("softmax_grad", "SN", flop=elementwise_flop(4), reference=_softmax_grad_reference,
-                               cpu=_softmax_grad_cpu, cuda=_softmax_grad_cuda, reduction="row", letter="S"))
+                               row=_softmax_grad_row, reduction="row", letter="S"))

@@ -4,12 +4,8 @@ from __future__ import annotations
 from .kind import OpKind, align, elementwise_flop, register
 
 
-def _transpose_cpu(k, m, attrs):  # a copy into another layout (inserted by the layout pass)
-    k.ew(m, "v_x")
-
-
-def _transpose_cuda(k, m, attrs):  # a copy into another layout (inserted by the layout pass)
-    k.ew(m, "{x}")
+def _transpose_row(k, attrs):
+    k.map(lambda e: e["x"])
 
 
 def _transpose_reference(ins, outs, attrs):
@@ -18,4 +14,4 @@ def _transpose_reference(ins, outs, attrs):
 
 
 TRANSPOSE = register(OpKind("transpose", "EW", flop=elementwise_flop(0), reference=_transpose_reference,
-                            cpu=_transpose_cpu, cuda=_transpose_cuda, letter="T"))
+                            row=_transpose_row, letter="T"))

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator
 from ...ir.operands import Operand, c_expr, dim_size, linear_index, plan_contraction, resolve_operand
-from ...ops import op_kind
-from ..common import member_records, row_kernel_space, stat_tensors, workspace_slots
+from ..common import stat_tensors, workspace_slots
+from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
 
 __all__ = ["generate_cpu", "tensor_dtypes"]
 
@@ -72,7 +72,7 @@ class _Emitter:
         if op.kind == "contraction":
             self._emit_contraction(op, self.operands(op), op.attrs)
         else:
-            _RowKernel(self, member_records(self.graph, op), op.attrs.get("vector")).emit()
+            _RowKernel(self, build_row_kernel(self.graph, op)).emit()
         if timer is not None:
             self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
@@ -132,90 +132,56 @@ COLUMN_BLOCK = 32
 #: them: 256 elements are 32 Philox blocks, one two-chain AVX-512 call, and the chunk's generation
 #: overlaps the previous chunk's loads and stores (a whole row first would stall on memory after).
 RANDOM_CHUNK = 256
+_CLAUSES = {"sum": "+", "max": "max"}
 
 
-class _RowKernel:
-    """One row kernel: EW and SN members over a shared iteration space F = rows R x inner letters N.
+class _RowKernel(RowEmitter):
+    """The CPU rendering of a :class:`~substation.backends.rowkernel.RowKernelModel`: parallel over rows, per
+    thread one row at a time, every sweep an ``omp simd`` loop over the inner letters N.
 
-    Per row, members run in order over the inner letters; tensors produced and consumed inside stay
-    in per-thread row buffers (full-width) or scalars (per-row statistics); column reductions
-    accumulate per thread and are combined in thread order after the rows (deterministic for a
-    given thread count).
+    Per row, sweeps without a reduction between them run as one loop; produced tensors that later
+    members read stay in per-thread row buffers (or registers, see :meth:`_render_row`); column
+    reductions accumulate per thread and are combined in thread order after the rows (deterministic
+    for a given thread count). Statistics are double (:attr:`S`).
     """
 
-    #: For the kinds' member emitters (:mod:`substation.ops`): the row-major index over letters.
-    linear_index = staticmethod(linear_index)
+    target = "cpu"
+    NAMESPACE = "ss::"
+    FUNCTIONS = {"max_": "std::max"}
 
-    def __init__(self, em: "_Emitter", members: list[dict], vector: str | None = None):
-        self.em, self.graph, self.T = em, em.graph, em.T
-        self.members = members
-        self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
+    def __init__(self, em: "_Emitter", model: RowKernelModel):
+        super().__init__(model, em.T, "double")
+        self.em, self.graph = em, em.graph
+        self.N, self.R = list(model.inner), list(model.rows)
+        self.buffers = list(model.row_values)  # per-thread row buffers, extended by output_buffer
         self.pending: list | None = None  # loops collected inside a row (None: write at once)
         self.row_items: list | None = None  # a row's lines and merged loops, rendered at its end
         self.prelude: list[str] = []
-        self.random: dict[str, tuple] = {}  # row-random mask name -> (declaration line, chunked form)
-        self.column = [m for m in members if op_kind(m["kind"]).reduction == "column"]
-        # Which produced tensors later members read (or softmax needs as scratch): buffered.
-        self.buffers, self.scalars = [], []
-        seen: dict[str, int] = {}
-        for i, m in enumerate(members):
-            for t, a in m["inputs"].values():
-                if t in seen and t not in self.buffers + self.scalars:
-                    (self.buffers if set(a) - set("0123456789") == self.full else self.scalars).append(t)
-            for t, a in m["outputs"].values():
-                seen[t] = i
-                if m["kind"] == "softmax" and t not in self.buffers:
-                    self.buffers.append(t)
+        self.random: dict[str, tuple] = {}  # row-random mask -> (member, declaration, chunked declaration)
+        self.ready: set[str] = set()  # tensors produced by the members so far
+        # float layers sum columns over blocks of rows in float (small, cache-resident), then in double.
+        self.blocked = bool(model.column_outputs) and self.T == "float"
+        self.acc = {t: f"blk_{t}" if self.blocked else f"acc_{t}" for t, _ in model.column_outputs}
 
-    # helpers ------------------------------------------------------------------------------------
+    # writing --------------------------------------------------------------------------------------
     def w(self, line: str = "") -> None:
         if self.row_items is None:
             self.em.w(line)
         else:
             self.row_items.append((self.em.indent, line))
 
-    def memory(self, t: str) -> bool:
-        return t in self.graph.tensors
-
-    def read(self, t: str, a: str) -> str:
-        if t in self.buffers and t in self.ready:
-            return f"buf_{t}[n_]"
-        if t in self.scalars and t in self.ready:
-            return f"sc_{t}"
-        if not self.memory(t):
-            raise AssertionError(f"tensor {t} is neither in memory nor produced earlier in the kernel")
-        return f"{t}[{resolve_operand(self.graph, t, a).offset()}]"
-
-    def put(self, t: str, a: str, value: str) -> list[str]:
-        res = []
-        if t in self.buffers:
-            res.append(f"buf_{t}[n_] = {value};")
-        if t in self.scalars:
-            res.append(f"sc_{t} = {value};")
-        if self.memory(t):
-            res.append(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {value};")
-        return res
-
-    def inner(self, stmts, reduction: str = "") -> None:
+    def _inner(self, stmts, reductions: list[str] = ()) -> None:
         """A loop over the inner letters N (``n_`` is the row-buffer index); ``stmts`` may be a
         callable. Inside a row, loops are collected and consecutive ones run as one loop (see
         :meth:`flush`); elsewhere the loop is written at once."""
         body = list(stmts() if callable(stmts) else stmts)
         if self.pending is None:
-            self._loop([body], [reduction] if reduction else [])
+            self._loop([body], list(reductions))
         else:
-            self.pending.append((body, reduction))
-
-    def pre(self, line: str) -> None:
-        """A row-level statement that does not depend on the loops collected so far (a load or a
-        declaration): it is placed before them, so they can merge with the ones that follow."""
-        if self.pending is None:
-            self.w(line)
-        else:
-            self.prelude.append(line)
+            self.pending.append((body, list(reductions)))
 
     def stmt(self, line: str) -> None:
-        """A row-level statement that depends on the collected loops (or opens/closes a block)."""
+        """A row-level statement after the collected loops."""
         self.flush()
         self.w(line)
 
@@ -227,26 +193,25 @@ class _RowKernel:
             self.w(line)
         self.prelude = []
         if self.pending:
-            loop = ([b for b, _ in self.pending], [r for _, r in self.pending if r])
+            loop = ([b for b, _ in self.pending], [r for _, rs in self.pending for r in rs])
             if self.row_items is None:
                 self._loop(*loop)
             else:
                 self.row_items.append((self.em.indent, loop))
         self.pending = []
 
-    def _render_row(self) -> None:
+    def _render_row(self, items: list) -> None:
         """Write the row's lines and loops. The stores of a loop to a row buffer that nothing after
         the loop reads become register assignments (reads earlier in the loop still load the buffer,
         later ones take the register): those stores would only cost bandwidth. A dropout mask that one
         loop alone uses is drawn inside it, :data:`RANDOM_CHUNK` elements at a time."""
-        items, self.row_items = self.row_items, None
         text = [x if isinstance(x, str) else "\n".join(ln for b in x[0] for ln in b) for _, x in items]
         chunked: dict[int, list[str]] = {}  # loop item -> masks drawn chunk by chunk inside it
         for rw in self.random:
             users = [j for j, t in enumerate(text) if f"{rw}[" in t]
             if len(users) == 1 and not isinstance(items[users[0]][1], str):
                 chunked.setdefault(users[0], []).append(rw)
-        drawn_inside = {self.random[rw][0] for rws in chunked.values() for rw in rws}
+        drawn_inside = {self.random[rw][1] for rws in chunked.values() for rw in rws}
         for i, (indent, item) in enumerate(items):
             self.em.indent = indent
             if isinstance(item, str):
@@ -282,7 +247,7 @@ class _RowKernel:
             self.em.indent += 1
             self.w(f"const int64_t c1_ = std::min<int64_t>(c0_ + {RANDOM_CHUNK}, nn_);")
             for rw in rws:
-                self.w(self.random[rw][1])
+                self.w(self.random[rw][2])
             self._loop(bodies, reductions, head, ("c0_", "c1_"))
             self.em.indent -= 1
             self.w("}")
@@ -310,12 +275,115 @@ class _RowKernel:
             self.em.indent -= 1
             self.w("}")
 
+    # the RowEmitter hooks ------------------------------------------------------------------------
+    def _hoist(self, line: str) -> None:
+        if self.pending is None:
+            self.w(line)
+        else:
+            self.prelude.append(line)
+
+    def _after(self, line: str) -> None:
+        self.stmt(line)
+
+    def _member_start(self) -> None:
+        m = self.member
+        self.pre(f"// {m['name']} ({m['kind']})")
+
+    def _member_end(self) -> None:
+        self.ready.update(t for t, _ in self.member["outputs"].values())
+
+    def _load(self, sweep, conn: str, t: str, a: str) -> str:
+        if t in self.buffers and t in self.ready:
+            value = f"buf_{t}[n_]"
+        elif t in self.model.memory:
+            value = f"{t}[{resolve_operand(self.graph, t, a).offset()}]"
+        else:
+            raise AssertionError(f"tensor {t} is neither in memory nor produced earlier in the kernel")
+        return sweep.let(f"v_{conn}", value)
+
+    def _store(self, sweep, t: str, a: str, expr: str) -> None:
+        if len(sweep.outputs) > 1:
+            raise AssertionError(f"{self.member['name']}: one store per sweep")
+        sweep.let("v_", expr)
+        if t in self.buffers:
+            sweep.stmt(f"buf_{t}[n_] = v_;")
+        if t in self.model.memory:
+            sweep.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = v_;")
+
+    def _end_sweep(self, sweep) -> None:
+        ops: dict[str, list[str]] = {}
+        for acc, op in sweep.reductions:
+            ops.setdefault(_CLAUSES[op], []).append(acc)
+        self._inner(sweep.lines, [f"{op}:{','.join(accs)}" for op, accs in ops.items()])
+        if sweep.reductions:  # the accumulators are complete after this loop
+            self.flush()
+
+    def _row_read(self, t: str, a: str, ctype: str) -> str:
+        return self.cast(f"{t}[{resolve_operand(self.graph, t, a).offset()}]", ctype)
+
+    def _store_row(self, t: str, a: str, value: str) -> None:
+        self.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {value};")
+
+    def _column(self, t: str) -> str:
+        return f"{self.acc[t]}[n_]"
+
+    def _index(self, letter: str) -> str:
+        return f"i_{letter}"
+
+    def _random_bits(self, sweep, stream: int, dims: str) -> str:
+        if self.model.random_run(dims) != "row":
+            return f"ss::random_bits(seed, {stream}u, (uint64_t)({linear_index(dims, lambda c: f'i_{c}')}))"
+        # The row's random index is contiguous: one Philox block per eight elements, drawn for the
+        # row (or chunk by chunk, see _render_row); eval mode reads the zero scratch instead.
+        rw, = self.names("rw")
+        scratch = f"rnd{self.index}_.data()"
+        first = linear_index(dims, lambda c: "0" if c == dims[-1] else f"i_{c}")
+
+        def draw(offset: str, count: str) -> str:
+            return (f"const ss::bits16_t* {rw} = training ? ss::random_row(seed, {stream}u, "
+                    f"(uint64_t)({first}){offset}, {count}, {scratch}) : ss::keep_all_bits({scratch});")
+        self.random[rw] = (self.index, draw("", "nn_"), draw(" + c0_", "c1_ - c0_"))
+        self.pre(self.random[rw][1])
+        return f"{rw}[n_]"
+
+    # CPU-only API for the kinds' overrides -----------------------------------------------------------
+    def output_buffer(self, conn: str) -> str:
+        """The row buffer of the member's output ``conn`` (added if the kernel has none), which the
+        member may use as scratch before its final values go there."""
+        t, _ = self.member["outputs"][conn]
+        if t not in self.buffers:
+            self.buffers.append(t)
+        return f"buf_{t}"
+
+    def row_start(self, conn: str) -> str | None:
+        """The address of this row's first element of input ``conn`` when the row is contiguous (a
+        row buffer, or unit stride along the single inner letter), else None."""
+        t, a = self.member["inputs"][conn]
+        if len(self.N) != 1:
+            return None
+        if t in self.buffers and t in self.ready:
+            return f"&buf_{t}[0]"
+        if t not in self.model.memory:
+            return None
+        op = resolve_operand(self.graph, t, a)
+        return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
+
     # the kernel ---------------------------------------------------------------------------------
     def emit(self) -> None:
+        """Write the kernel: the row first (its buffers and random scratch follow from it), then the
+        parallel region around it and the combination of the column reductions."""
         T = self.T
+        outer = self.em.indent
+        self.em.indent = outer + 2  # inside the parallel region and the row loop
+        self.pending, self.row_items = [], []
+        self.emit_members()
+        self.flush()
+        items, self.pending, self.row_items = self.row_items, None, None
+        self.em.indent = outer
         nn = " * ".join(dim_size(c) for c in self.N)
         self.w(f"const int64_t nrows_ = {' * '.join(dim_size(c) for c in self.R) or '1'}, nn_ = {nn};")
-        ncol = sum(len(m["outputs"]) for m in self.column)
+        columns = self.model.column_outputs
+        ncol = len(columns)
         if ncol:
             self.w("const int nth_ = omp_get_max_threads();")
             self.w(f"std::vector<double> part_((size_t)nth_ * {ncol} * nn_, 0.0);")
@@ -323,26 +391,18 @@ class _RowKernel:
         self.w("{")
         self.em.indent += 1
         self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
-        for k, m in enumerate(self.members):
-            if self.row_random(m):  # scratch of member k's random words (ss::random_row)
-                self.w(f"std::vector<uint32_t> rnd{k}_(ss::random_row_words(nn_));")
+        for k, _, _ in self.random.values():  # scratch of member k's random words (ss::random_row)
+            self.w(f"std::vector<uint32_t> rnd{k}_(ss::random_row_words(nn_));")
         if self.buffers:
             self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
             for k, t in enumerate(self.buffers):
                 self.w(f"{T}* __restrict__ buf_{t} = bufs_.data() + (size_t){k} * nn_;")
-        q = 0
-        self.acc = {}
-        # float layers sum columns over blocks of rows in float (small, cache-resident), then in double.
-        blocked = ncol and T == "float"
-        if blocked:
+        if self.blocked:
             self.w(f"std::vector<float> blk_((size_t){ncol} * nn_, 0.0f);")
-        for m in self.column:
-            for conn, (t, _) in sorted(m["outputs"].items()):
-                self.w(f"double* __restrict__ acc_{t} = part_.data() + ((size_t)t_ * {ncol} + {q}) * nn_;")
-                if blocked:
-                    self.w(f"float* __restrict__ blk_{t} = blk_.data() + (size_t){q} * nn_;")
-                self.acc[t] = f"blk_{t}" if blocked else f"acc_{t}"
-                q += 1
+        for q, (t, _) in enumerate(columns):
+            self.w(f"double* __restrict__ acc_{t} = part_.data() + ((size_t)t_ * {ncol} + {q}) * nn_;")
+            if self.blocked:
+                self.w(f"float* __restrict__ blk_{t} = blk_.data() + (size_t){q} * nn_;")
         self.w("const int64_t lo_ = nrows_ * t_ / nt_, hi_ = nrows_ * (t_ + 1) / nt_;")
         self.w("for (int64_t row_ = lo_; row_ < hi_; ++row_) {")
         self.em.indent += 1
@@ -350,77 +410,22 @@ class _RowKernel:
             self.w("int64_t rem_ = row_;")
             for c in reversed(self.R):
                 self.w(f"const int64_t i_{c} = rem_ % {dim_size(c)}; rem_ /= {dim_size(c)};")
-        for t in self.scalars:
-            self.w(f"double sc_{t} = 0;")
-        self.ready: set[str] = set()
-        self.pending, self.row_items = [], []
-        for k, m in enumerate(self.members):
-            self.k = k  # row-level names of member k end in f"{k}_"
-            self.pre(f"// {m['name']} ({m['kind']})")
-            op_kind(m["kind"]).cpu(self, m, m["attrs"])
-            self.ready.update(t for t, _ in m["outputs"].values())
-        self.flush()
-        self.pending = None
-        self._render_row()
-        if blocked:
+        self._render_row(items)
+        self.em.indent = outer + 2
+        if self.blocked:
             self.w(f"if (((row_ - lo_) & {COLUMN_BLOCK - 1}) == {COLUMN_BLOCK - 1} || row_ == hi_ - 1) {{")
-            self.inner([f"acc_{t}[n_] += blk_{t}[n_]; blk_{t}[n_] = 0.0f;" for t in self.acc])
+            self._inner([f"acc_{t}[n_] += blk_{t}[n_]; blk_{t}[n_] = 0.0f;" for t in self.acc])
             self.w("}")
         self.em.indent -= 1
         self.w("}")
         self.em.indent -= 1
         self.w("}")
-        q = 0
-        for m in self.column:
-            for conn, (t, a) in sorted(m["outputs"].items()):
-                off = resolve_operand(self.graph, t, a).offset()
-                qq = q
-                self.inner(lambda: [f"double s_ = 0; for (int t2_ = 0; t2_ < nth_; ++t2_) "
-                                    f"s_ += part_[((size_t)t2_ * {ncol} + {qq}) * nn_ + n_];",
-                                    f"{t}[{off}] = ({T})s_;"])
-                q += 1
+        for q, (t, a) in enumerate(columns):
+            off = resolve_operand(self.graph, t, a).offset()
+            self._inner([f"double s_ = 0; for (int t2_ = 0; t2_ < nth_; ++t2_) "
+                         f"s_ += part_[((size_t)t2_ * {ncol} + {q}) * nn_ + n_];",
+                         f"{t}[{off}] = ({T})s_;"])
 
-    def ew(self, m, expr) -> None:
-        (t, a), = m["outputs"].values()
-        loads = [f"const {self.T} v_{c} = {self.read(*ta)};" for c, ta in sorted(m["inputs"].items())]
-        self.inner(loads + [f"const {self.T} v_ = {expr};"] + self.put(t, a, "v_"))
-
-    def row_random(self, m) -> bool:
-        """Whether dropout member ``m`` draws its random words per row (its random index runs
-        contiguously along the single inner letter)."""
-        return m["kind"] == "dropout" and len(self.N) == 1 and m["attrs"]["rng_dims"][-1] == self.N[0]
-
-    def names(self, *bases: str) -> list[str]:
-        """Row-level variable names private to the current member."""
-        return [f"{b}{self.k}_" for b in bases]
-
-    def row_start(self, t: str, a: str, expr: str) -> str | None:
-        """The address of this row's first element of operand ``expr`` (tensor ``t``, access ``a``) when
-        the row is contiguous (a row buffer, or unit stride along the single inner letter), else None."""
-        if len(self.N) != 1:
-            return None
-        if expr.startswith("buf_"):
-            return f"&{expr.replace('[n_]', '[0]')}"
-        if not self.memory(t):
-            return None
-        op = resolve_operand(self.graph, t, a)
-        return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
-
-    def split_statistics(self, mu: str, r: str, rstd_known: bool = True):
-        """Declare ``{mu}h_``/``{mu}l_``, the double mean split into a head and a tail of the element type
-        (and, when ``rstd_known``, ``{r}t_``: the double rstd in that type) and return
-        ``xhat(x, scaled=True)``, the expression ``((x - head) - tail) [* {r}t_]``. ``x - head`` is exact
-        near the mean (Sterbenz), so float rows with a large mean and a small spread keep their
-        accuracy while every per-element operation stays in the element type (full SIMD width)."""
-        T = self.T
-        self.pre(f"const {T} {mu}h_ = ({T}){mu}, {mu}l_ = ({T})({mu} - (double){mu}h_);")
-        if rstd_known:
-            self.pre(f"const {T} {r}t_ = ({T}){r};")
-
-        def xhat(x: str, scaled: bool = True) -> str:
-            d = f"(({x} - {mu}h_) - {mu}l_)"
-            return f"{d} * {r}t_" if scaled else d
-        return xhat
 
 def _numel(dims: str) -> str:
     return " * ".join(dim_size(d) for d in dims)

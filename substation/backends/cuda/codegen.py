@@ -4,7 +4,7 @@ The same graphs as the CPU target (fused or not, any layout the graph carries) b
 
 * **contractions** (TC): cuBLAS ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` with float32
   accumulation (``CUBLAS_COMPUTE_32F``) for float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for
-  float64). The mapping onto a row-major GEMM is :func:`substation.backends.cpu.codegen.plan_contraction`'s, the
+  float64). The mapping onto a row-major GEMM is :func:`substation.ir.operands.plan_contraction`'s, the
   one the CPU build uses; the row-major call is turned into cuBLAS's column-major one by swapping the
   operands. Batch letters whose strides merge become one strided batch; otherwise the largest batch
   group (chosen at run time, B and J being runtime sizes) is the strided batch and the others are
@@ -48,8 +48,8 @@ import sympy
 
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
-from ...ops import op_kind
-from ..common import member_records, row_kernel_space, stat_tensors
+from ..common import stat_tensors
+from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
 
 __all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
 
@@ -62,7 +62,7 @@ _CTYPE = {"float32": "float", "float64": "double"}
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except normalization
-    statistics (:func:`~substation.backends.cpu.codegen.stat_tensors`), which have the compute dtype (float32 for
+    statistics (:func:`~substation.backends.common.stat_tensors`), which have the compute dtype (float32 for
     float16/bfloat16 layers), so that backward recomputes normalized values from exact statistics."""
     dt = graph.config.dtype
     stats = stat_tensors(graph)
@@ -76,28 +76,22 @@ class _Loop:
     body: list     # statements inside the loop over this thread's vectors
 
 
-class _RowKernel:
-    """One CUDA row kernel for a list of member records (see the module docstring)."""
+class _RowKernel(RowEmitter):
+    """The CUDA rendering of a :class:`~substation.backends.rowkernel.RowKernelModel` (see the module
+    docstring): every sweep is a loop over this thread's vectors of V lanes; a sweep that reduces
+    ends its loop with a group reduction."""
 
-    #: For the kinds' member emitters (:mod:`substation.ops`): the row-major index over letters.
-    linear_index = staticmethod(linear_index)
+    target = "cuda"
+    NAMESPACE = "sscuda::"
 
-    def __init__(self, gen: "_Generator", members: list[dict], name: str, vector: str | None = None):
-        self.gen, self.graph, self.name, self.members = gen, gen.graph, name, members
-        self.full, self.N, self.R = row_kernel_space(self.graph, members, vector)
+    def __init__(self, gen: "_Generator", model: RowKernelModel, name: str):
+        super().__init__(model, "comp_t", "comp_t")
+        self.gen, self.graph, self.name = gen, gen.graph, name
+        self.N, self.R = list(model.inner), list(model.rows)
         self.last = self.N[-1]
-        self.column = [m for m in members if op_kind(m["kind"]).reduction == "column"]
-        self.col_outputs = [(t, a) for m in self.column for _, (t, a) in sorted(m["outputs"].items())]
+        col_names = {t for t, _ in model.column_outputs}
         # Memory operands: kernel parameters, in first-use order.
-        self.memory: dict[str, str] = {}
-        written = set()
-        for m in members:
-            for t, a in list(m["inputs"].values()) + list(m["outputs"].values()):
-                if t in self.graph.tensors and t not in self.memory:
-                    self.memory[t] = a
-            written.update(t for t, _ in m["outputs"].values())
-        col_names = {t for t, _ in self.col_outputs}
-        self.params = [(t, a, t in written) for t, a in self.memory.items() if t not in col_names]
+        self.params = [(t, a, t in model.stores) for t, a in model.memory.items() if t not in col_names]
         self.vector_possible = self._vector_possible()
 
     # static facts ---------------------------------------------------------------------------------
@@ -139,12 +133,7 @@ class _RowKernel:
         self.produced: dict[str, int] = {}   # tensor -> loop that produced it (in-kernel)
         self.reads: dict[str, set] = {}      # tensor -> loops that read it
         self.loaded: set[str] = set()        # cached memory tensors already in their buffer
-        self.scalars: dict[str, str] = {}    # row-level values: tensor -> variable
-        self.uid = 0
-
-    def fresh(self, stem: str) -> str:
-        self.uid += 1
-        return f"{stem}{self.uid}_"
+        self.begin_members()
 
     def open_loop(self) -> _Loop:
         if self.loop is None:
@@ -174,16 +163,12 @@ class _RowKernel:
             res.append(f"const int64_t i_{c} = rem_ % {dim_size(c)}; rem_ /= {dim_size(c)};")
         return res + ["(void)rem_;"]
 
-    def lane_of(self, c: str) -> str:
-        return f"(i_{c} + l_)" if c == self.last else f"i_{c}"
-
     def _offset(self, t: str, a: str) -> str:
         return resolve_operand(self.graph, t, a).offset()
 
     def _buffered(self, t: str) -> bool:
         return self.plan is not None and t in self.plan["buffers"]
 
-    # values ---------------------------------------------------------------------------------------
     def val(self, t: str, a: str) -> str:
         """Per-lane expression of tensor ``t`` (access ``a``) inside the open loop, loading it first."""
         lp = self.open_loop()
@@ -207,55 +192,65 @@ class _RowKernel:
             self.loaded.add(t)
         return f"r_{t}[l_]"
 
-    def row_val(self, t: str, a: str) -> str:
-        """A row-level value (access letters within R): a variable, loaded once per row."""
-        if t in self.scalars:
-            return self.scalars[t]
-        var = f"sc_{t}"
-        line = f"const comp_t {var} = sscuda::cvt<comp_t>({t}[{self._offset(t, a)}]);"
-        (self.loop.pre if self.loop is not None else self.rows).append(line)
-        self.scalars[t] = var
-        return var
+    # the RowEmitter hooks ------------------------------------------------------------------------
+    def _hoist(self, line: str) -> None:
+        self.open_loop().pre.append(line)
 
-    def lane(self, stmts: list[str], outputs: list[tuple[str, str, str]] = ()) -> None:
-        """Per-lane statements in the open loop; ``outputs`` are (tensor, access, expression) stored
-        into the tensor's register array, then to memory and/or its buffer."""
+    def _after(self, line: str) -> None:
+        self._close()
+        self.rows.append(line)
+
+    def _load(self, sweep, conn: str, t: str, a: str) -> str:
+        return self.val(t, a)
+
+    def _store(self, sweep, t: str, a: str, expr: str) -> None:
+        sweep.stmt(f"r_{t}[l_] = {expr};")
+
+    def _end_sweep(self, sweep) -> None:
         lp = self.open_loop()
-        for t, _, _ in outputs:
+        for t, _ in sweep.outputs:
             lp.body.append(f"comp_t r_{t}[V];")
-        body = list(stmts) + [f"r_{t}[l_] = {e};" for t, _, e in outputs]
         lp.body.append("SS_UNROLL for (int l_ = 0; l_ < V; ++l_) {")
-        lp.body.extend("  " + s for s in body)
+        lp.body.extend("  " + s for s in sweep.lines)
         lp.body.append("}")
-        for t, a, _ in outputs:
+        for t, a in sweep.outputs:
             self.regs.add(t)
             self.produced[t] = self.loop_id
             if t in self.graph.tensors:
                 lp.body.append(f"sscuda::store<V>({t} + ({self._offset(t, a)}), r_{t});")
             if self._buffered(t):
                 lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+        if sweep.reductions:  # each thread holds a partial result: combine them across the row's group
+            self._close()
+            for acc, op in sweep.reductions:
+                self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_);")
 
-    def put_row(self, t: str, a: str, value: str) -> None:
-        """A row-level output (normalization statistics): kept in a variable, written by lane 0."""
-        self.scalars[t] = value
-        if t in self.graph.tensors:
-            self.rows.append(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
+    def _row_read(self, t: str, a: str, ctype: str) -> str:
+        return f"sscuda::cvt<{ctype}>({t}[{self._offset(t, a)}])"
 
-    def reduce(self, var: str, how: str) -> None:
-        self._close()
-        self.rows.append(f"{var} = sscuda::group_{how}<WARP>({var}, red_);")
+    def _store_row(self, t: str, a: str, value: str) -> None:
+        self._after(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
 
-    # members --------------------------------------------------------------------------------------
-    def ew(self, m, fmt: str) -> None:
-        (t, a), = m["outputs"].values()
-        vals = {c: self.val(*ta) for c, ta in sorted(m["inputs"].items())}
-        self.lane([], [(t, a, fmt.format(**vals))])
+    def _column(self, t: str) -> str:
+        return f"acc_{t}[n0_ + l_]"
+
+    def _index(self, letter: str) -> str:
+        return f"(i_{letter} + l_)" if letter == self.last else f"i_{letter}"
+
+    def _random_bits(self, sweep, stream: int, dims: str) -> str:
+        if self.model.random_run(dims) is None:
+            return f"sscuda::random_bits(seed, {stream}u, (uint64_t)({linear_index(dims, self._index)}))"
+        # The lanes' random indices are consecutive: blocks of eight elements.
+        rw, = self.names("rw")
+        self.open_loop().body += [f"uint32_t {rw}[V];",
+                                  f"if (training) sscuda::random_bits_run<V>(seed, {stream}u, "
+                                  f"(uint64_t)({linear_index(dims, lambda c: f'i_{c}')}), {rw});"]
+        return f"{rw}[l_]"
 
     # whole kernel ---------------------------------------------------------------------------------
     def _emit_rows(self, plan) -> list[str]:
         self._reset(plan)
-        for m in self.members:
-            op_kind(m["kind"]).cuda(self, m, m["attrs"])
+        self.emit_members()
         self._close()
         return self.rows
 
@@ -267,7 +262,7 @@ class _RowKernel:
             if t in self.produced:
                 if any(k > self.produced[t] for k in loops):
                     buffers.append(t)
-            elif len(loops) > 1 and t in self.memory and frozenset(access_letters(self.memory[t])) == self.full:
+            elif len(loops) > 1 and t in self.model.loads and frozenset(access_letters(self.model.memory[t])) == self.model.full:
                 buffers.append(t)
         return {"buffers": buffers}
 
@@ -284,7 +279,7 @@ class _RowKernel:
         plan = self._make_plan()
         rows = self._emit_rows(plan)
         buffers = plan["buffers"]
-        ncol = len(self.col_outputs)
+        ncol = len(self.model.column_outputs)
         nslots = len(buffers) + ncol
         k = self.name
         params = [f"{'' if w else 'const '}{self.gen.ctype(t)}* __restrict__ {t}" for t, _, w in self.params]
@@ -293,7 +288,7 @@ class _RowKernel:
         params += ["const int64_t B", "const int64_t J", "const int64_t K", "const uint64_t seed",
                    "const int32_t training"]
         src = [f"// {k}: rows {''.join(self.R) or '-'} x inner {''.join(self.N)}; members: "
-               + ", ".join(f"{m['name']} ({m['kind']})" for m in self.members),
+               + ", ".join(f"{m['name']} ({m['kind']})" for m in self.model.members),
                "template <int V, bool WARP>",
                f"SS_KERNEL void {k}({', '.join(params)}) {{",
                "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
@@ -307,12 +302,12 @@ class _RowKernel:
                f"  comp_t* row_mem_ = smem_ + 32 + (int64_t)grp_ * {max(nslots, 1)} * nn_; (void)row_mem_;"]
         for q, t in enumerate(buffers):
             src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
-        for q, (t, _) in enumerate(self.col_outputs):
+        for q, (t, _) in enumerate(self.model.column_outputs):
             src.append(f"  comp_t* acc_{t} = row_mem_ + (int64_t){len(buffers) + q} * nn_;")
         if ncol:
             src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
-            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.col_outputs]
+            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.model.column_outputs]
             src.append("    }")
         src.append("  for (int64_t row_ = (int64_t)SS_BID * rpb_ + grp_; row_ < nrows_; "
                    "row_ += (int64_t)SS_GDIM * rpb_) {")
@@ -326,13 +321,13 @@ class _RowKernel:
             src.append("  const int64_t slot_ = (int64_t)SS_BID * rpb_ + grp_;")
             src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
-            for q, (t, _) in enumerate(self.col_outputs):
+            for q, (t, _) in enumerate(self.model.column_outputs):
                 src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[nv_ * V + l_];")
             src.append("    }")
         src += ["}", ""]
         # The second pass of the column reductions: columns x slot groups per block, each thread adds
         # a fixed subset of slots in order, then one thread per column adds the groups in order.
-        for q, (t, a) in enumerate(self.col_outputs):
+        for q, (t, a) in enumerate(self.model.column_outputs):
             src += [f"SS_KERNEL void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
                     "const int64_t slots_, const int64_t B, const int64_t J, const int64_t K) {",
                     "  (void)B; (void)J; (void)K;",
@@ -371,7 +366,7 @@ class _RowKernel:
                   f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {max(nslots, 1)}, {col}, sizeof(comp_t));",
                   f"  auto kern_ = {pick};",
                   f"  SS_CHECK(sscuda::launch(\"{k}\", kern_, cfg_.grid, cfg_.block, cfg_.smem, stream_, {args}));"]
-        for q, (t, _) in enumerate(self.col_outputs):
+        for q, (t, _) in enumerate(self.model.column_outputs):
             launch.append(f"  SS_CHECK(sscuda::launch(\"{k}_sum{q}\", &{k}_sum{q}, "
                           f"std::min<int64_t>((nn_ + sscuda::kColX - 1) / sscuda::kColX, 65535), "
                           f"sscuda::kColX * sscuda::kColY, sizeof(double) * sscuda::kColX * sscuda::kColY, "
@@ -476,7 +471,7 @@ def generate_cuda(graph: LayerGraph) -> str:
     Tensors: every non-temporary tensor of ``graph`` is an argument, of the config's dtype
     (float32, float64, float16 or bfloat16) except normalization statistics ([B, J], compute dtype);
     H, P, I, U are compile-time constants, B, J, K runtime sizes. Compile with
-    :func:`substation.backends.cuda.build.build_cuda_library`.
+    :func:`substation.build_cuda.build_cuda_library`.
 
     Raises:
         LayoutError: a contraction's operand layouts need an explicit transpose.
@@ -496,7 +491,7 @@ def generate_cuda(graph: LayerGraph) -> str:
             body += ["  " + s for s in _emit_contraction(gen, op)]
             body.append("}")
             continue
-        rk = _RowKernel(gen, member_records(graph, op), _kernel_name(n, op.label), op.attrs.get("vector"))
+        rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
         src, launch, ws = rk.generate()
         kernels += src
         body += launch
