@@ -22,12 +22,26 @@ def stat_tensors(graph: LayerGraph) -> set[str]:
     return names & set(graph.tensors)
 
 
+def _element_count(dims: str, static: dict) -> tuple[int, int, int]:
+    """A tensor's element count as ``coefficient * B**b * J**j`` (K counts as J): (coefficient, b, j)."""
+    coefficient, b, j = 1, 0, 0
+    for d in dims:
+        if d == "B":
+            b += 1
+        elif d in ("J", "K"):
+            j += 1
+        else:
+            coefficient *= static[d]
+    return coefficient, b, j
+
+
 def workspace_slots(graph: LayerGraph, dtypes: dict[str, str]) -> list[list[str]]:
-    """The temporaries of ``graph`` grouped into workspace slots: each slot is one buffer, shared by
-    temporaries of one dtype and one element count (the same dimension letters) whose lifetimes do not
-    overlap in operator order (a temporary is live from its first writer to its last reader, and a
-    slot is reused only by a temporary first written after the previous one's last read). Slots are in
-    order of first use; ``dtypes`` maps each tensor to its dtype name.
+    """The temporaries of ``graph`` grouped into workspace slots: each slot is one buffer, the size of
+    its first temporary, reused by later temporaries of the same dtype whose element count it bounds
+    at every B, J (``c * B**b * J**j`` against the slot's: no larger coefficient or exponent) once the
+    previous occupant is dead (a temporary lives from its first writer to its last reader in operator
+    order; the next one must be first written after that). Best fit: the smallest such slot. Slots
+    are in order of first use; ``dtypes`` maps each tensor to its dtype name.
 
     In a training build most intermediates are saved for backward, so few temporaries share; in an
     inference build (nothing saved) this is what keeps the workspace to a few buffers.
@@ -39,16 +53,17 @@ def workspace_slots(graph: LayerGraph, dtypes: dict[str, str]) -> list[list[str]
         for t, _ in graph.outputs_of(op).values():
             first.setdefault(t, i)
             last[t] = max(last.get(t, i), i)
+    static = {**graph.config.sizes(), "T": 3}
+    count = {t: _element_count(info.dims, static) for t, info in graph.tensors.items()}
     temps = sorted((t for t, info in graph.tensors.items() if info.role == "temp" and t in first),
                    key=lambda t: (first[t], t))
     slots: list[list[str]] = []
     for t in temps:
-        kind = (dtypes[t], "".join(sorted(graph.tensors[t].dims)))
-        for slot in slots:
-            prev = slot[-1]
-            if (dtypes[prev], "".join(sorted(graph.tensors[prev].dims))) == kind and last[prev] < first[t]:
-                slot.append(t)
-                break
+        c = count[t]
+        fits = [slot for slot in slots if dtypes[slot[0]] == dtypes[t] and last[slot[-1]] < first[t]
+                and all(x >= y for x, y in zip(count[slot[0]], c))]
+        if fits:
+            min(fits, key=lambda slot: count[slot[0]]).append(t)
         else:
             slots.append([t])
     unused = [t for t, info in graph.tensors.items() if info.role == "temp" and t not in first]
