@@ -3,8 +3,10 @@
 ``substation.compile(config)`` turns an encoder config into an :class:`EncoderLayer`, a
 ``torch.nn.Module`` whose forward and backward passes run generated, BLAS-backed C++.
 """
+from .backends.cpu.build import BuildError, ToolchainError
 from .config import ConfigError, EncoderConfig, load_config
 from .interop import optimize
+from .ir.operands import LayoutError
 from .layer import EncoderLayer
 from .pipeline import compile_layer
 from .version import __version__
@@ -22,4 +24,4 @@ def compile(config, progress=None) -> EncoderLayer:  # noqa: A001 - the package'
     return EncoderLayer(compile_layer(config, progress))
 
 
-__all__ = ["ConfigError", "EncoderConfig", "EncoderLayer", "compile", "load_config", "optimize", "__version__"]
+__all__ = ["BuildError", "ConfigError", "LayoutError", "ToolchainError", "EncoderConfig", "EncoderLayer", "compile", "load_config", "optimize", "__version__"]

@@ -209,7 +209,7 @@ def cmd_report(args) -> int:
     from .perf.analysis import analyze, measure
     from .perf.report import format_kernels, format_report, plot_report, write_json
 
-    mode = "inference" if args.mode == "eval" else "train"
+    mode = args.mode
     if args.kernels:
         extra = [flag for flag, on in (("--optimized", args.optimized), ("--measure", args.measure),
                                        ("--json", args.json), ("--plot", args.plot)) if on]

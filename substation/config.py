@@ -212,8 +212,21 @@ class EncoderConfig:
                 "I": self.hidden_size, "U": self.ffn_size, "T": 3}
 
     def replace(self, **changes: Any) -> "EncoderConfig":
-        """A copy with some fields changed (validated again); ``dropout`` may be a mapping."""
+        """A copy with some fields changed (validated again); ``dropout`` may be a mapping.
+
+        Raises:
+            ConfigError: an unknown field (of the config or of ``dropout``; the message lists the
+                known ones) or a value that breaks a rule.
+        """
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(unknown)} (known: {', '.join(known)})")
         if isinstance(changes.get("dropout"), Mapping):
+            fields = [f.name for f in dataclasses.fields(self.dropout)]
+            bad = sorted(set(changes["dropout"]) - set(fields))
+            if bad:
+                raise ConfigError(f"unknown dropout key(s) {', '.join(bad)} (known: {', '.join(fields)})")
             changes["dropout"] = dataclasses.replace(self.dropout, **changes["dropout"])
         return dataclasses.replace(self, **changes)
 
@@ -256,13 +269,19 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
 
     Raises:
         FileNotFoundError: the path does not exist and is not the name of a bundled config.
-        ConfigError: the YAML is malformed or breaks a rule.
+        ConfigError: the YAML is malformed or breaks a rule, or the path is a folder.
+        TypeError: ``source`` is none of these.
     """
     if isinstance(source, EncoderConfig):
         return source
     if isinstance(source, Mapping):
         return EncoderConfig.from_dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"a config is an EncoderConfig, a mapping, a YAML path or a bundled config name "
+                        f"(e.g. 'bert-base'); got {type(source).__name__}")
     path = os.fspath(source)
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a folder; give a YAML config file or a bundled config name")
     if not os.path.exists(path):
         bundled = bundled_file(path, ".yaml")
         if os.path.sep not in path and bundled is not None:

@@ -42,7 +42,7 @@ class PipelineOptions:
             ``"default"`` keeps PyTorch's layouts.
         instrument: per-operator timers in the CPU libraries (``CompiledGraph.op_seconds``).
         mode: ``train`` (forward and backward libraries; forward writes what backward reads) or
-            ``inference`` (a forward library only: no dropout, nothing saved, intermediates in a
+            ``eval`` (the inference build: a forward library only: no dropout, nothing saved, intermediates in a
             workspace whose buffers are reused once dead; PyTorch's layouts), one of :data:`MODES`.
 
     Raises:
@@ -60,7 +60,7 @@ class PipelineOptions:
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "inference" and self.layout not in (None, "default"):
+        if self.mode == "eval" and self.layout not in (None, "default"):
             raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
                              "an inference build uses PyTorch's layouts (pass layout=None)")
         if not (self.layout is None or isinstance(self.layout, (str, os.PathLike, LayoutPlan))):
@@ -97,7 +97,7 @@ class PipelineState:
     Attributes:
         config: the encoder config. options: the run's options.
         forward, backward: the :class:`~substation.ir.graph.LayerGraph` pair (SDFGs inside); no
-            backward graph in mode ``inference``.
+            backward graph in mode ``eval``.
         sources: generated source of each graph (``forward``/``backward``).
         built: the build results (library paths, build seconds).
         compiled: the loaded :class:`~substation.runtime.CompiledLayer`.
@@ -142,7 +142,7 @@ def _autodiff(state: PipelineState) -> None:
 
 
 def _graphs(state: PipelineState) -> dict[str, LayerGraph]:
-    """The state's graphs by phase (``backward`` absent in mode ``inference``)."""
+    """The state's graphs by phase (``backward`` absent in mode ``eval``)."""
     return {p: g for p, g in (("forward", state.forward), ("backward", state.backward)) if g is not None}
 
 
@@ -179,16 +179,16 @@ def _load(state: PipelineState) -> None:
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
-                                          mode="inference"))
+                                          mode="eval"))
 
 
 _GRAPHS = frozenset({"forward", "backward"})
 _FORWARD = frozenset({"forward"})
 
 #: Build modes (:attr:`PipelineOptions.mode`).
-MODES = ("train", "inference")
+MODES = ("train", "eval")
 
-#: The passes, in order. In mode ``inference`` autodiff is skipped and the later passes work on the
+#: The passes, in order. In mode ``eval`` autodiff is skipped and the later passes work on the
 #: forward graph alone.
 PASSES = (
     Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), _FORWARD, _graph),
@@ -256,7 +256,7 @@ def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool =
                    mode: str = "train"):
     """The (forward, backward) :class:`~substation.ir.graph.LayerGraph` pair after the passes up to
     ``layout`` (fusion with ``fuse_ops``; ``layout`` and ``mode`` as :class:`PipelineOptions`;
-    backward is None in mode ``inference``)."""
+    backward is None in mode ``eval``)."""
     state = Pipeline().run(config, PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode), until="layout")
     return state.forward, state.backward
 

@@ -75,3 +75,19 @@ def test_yaml_exponent_without_dot_is_float(tmp_path):
     f.write_text("layer_norm_eps: 1e-5\nhidden_size: 64\nnum_heads: 4\n")
     c = load_config(f)
     assert c.layer_norm_eps == 1e-5 and c.name == "eps"
+
+
+def test_clear_errors_for_wrong_config_sources_and_replace_keys(tmp_path):
+    import substation
+    from substation.config import ConfigError, load_config
+    with pytest.raises(TypeError, match="a config is an EncoderConfig, a mapping"):
+        load_config(3)
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown config key\\(s\\) heads"):
+        load_config("tiny").replace(heads=5)
+    with pytest.raises(ConfigError, match="unknown dropout key\\(s\\) bogus"):
+        load_config("tiny").replace(dropout={"bogus": 1})
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        substation.optimize(3)
+    assert {"BuildError", "ToolchainError", "LayoutError", "ConfigError"} <= set(substation.__all__)

@@ -425,7 +425,8 @@ def test_torch_export_and_jit_trace_of_an_eval_model():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             traced = torch.jit.trace(layer, (hidden,))
-        assert float((traced(hidden) - layer(hidden)).abs().max()) == 0.0
+        # a trace runs the training build (the tracer re-checks it under no_grad); the call here, the inference build
+        assert float((traced(hidden) - layer(hidden)).abs().max()) <= 1e-12
 
 
 # ------------------------------------------------------------------------------------------------ refusals

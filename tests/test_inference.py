@@ -33,7 +33,7 @@ def _workspace_bytes(lib, b, j):
 
 def test_inference_build_reads_the_inputs_and_writes_y_alone(timed):
     train, inference = timed
-    assert train.mode == "train" and inference.mode == "inference"
+    assert train.mode == "train" and inference.mode == "eval"
     assert inference.backward is None and inference.saved_names == [] and inference.produced_names == ["Y"]
     assert inference.forward_only() is inference and train.forward_only() is inference
     assert [t.name for t in inference.forward.args] == ["X", "mask", *parameter_names(train.config), "Y"]
@@ -44,14 +44,14 @@ def test_inference_build_reads_the_inputs_and_writes_y_alone(timed):
 def test_inference_graph_has_no_dropout_and_fewer_operators():
     config = "tiny"
     train_fwd, _ = compile_graphs(config)
-    inf_fwd, inf_bwd = compile_graphs(config, mode="inference")
+    inf_fwd, inf_bwd = compile_graphs(config, mode="eval")
     assert inf_bwd is None
     train_kinds = [op.kind for op in train_fwd.operators()]
     inf_kinds = [op.kind for op in inf_fwd.operators()]
     dropouts = train_kinds.count("dropout")
     assert dropouts == 3  # attention, attention output, feed-forward output (tiny: activation dropout 0)
     assert "dropout" not in inf_kinds and len(inf_kinds) == len(train_kinds) - dropouts
-    fused, _ = compile_graphs(config, fuse_ops=True, mode="inference")
+    fused, _ = compile_graphs(config, fuse_ops=True, mode="eval")
     assert all(m["kind"] != "dropout" for op in fused.operators() if op.kind == "fused" for m in op.attrs["ops"])
 
 
@@ -157,22 +157,37 @@ def test_drop_in_layers_choose_the_inference_build(monkeypatch):
 
 
 def test_pipeline_options_mode():
-    assert PipelineOptions.from_dict(PipelineOptions(mode="inference").to_dict()).mode == "inference"
-    with pytest.raises(ValueError, match="mode must be one of train, inference"):
-        PipelineOptions(mode="eval")
+    assert PipelineOptions.from_dict(PipelineOptions(mode="eval").to_dict()).mode == "eval"
+    with pytest.raises(ValueError, match="mode must be one of train, eval"):
+        PipelineOptions(mode="inference")
     with pytest.raises(ValueError, match="inference build uses PyTorch's layouts"):
-        PipelineOptions(mode="inference", layout="bert-base")
+        PipelineOptions(mode="eval", layout="bert-base")
 
 
 def test_analysis_of_the_inference_build(tmp_path):
     train = analyze("tiny", optimized=True)
-    inference = analyze("tiny", optimized=True, mode="inference")
-    assert inference.mode == "inference" and not inference.select("backward")
+    inference = analyze("tiny", optimized=True, mode="eval")
+    assert inference.mode == "eval" and not inference.select("backward")
     assert inference.total("forward", "TC")["flop"] == train.total("forward", "TC")["flop"]
     # no dropout and nothing saved for backward: fewer bytes than the training forward
     assert inference.total("forward")["bytes"] < train.total("forward")["bytes"]
     out = tmp_path / "eval.json"
     assert main(["report", "tiny", "--optimized", "--mode", "eval", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["mode"] == "inference" and all(o["pass"] == "forward" for o in data["operators"])
+    assert data["mode"] == "eval" and all(o["pass"] == "forward" for o in data["operators"])
     assert data["totals"]["forward"]["all"]["bytes"] == inference.total("forward")["bytes"]
+
+
+def test_jit_trace_with_gradients_enabled_and_the_traced_module_differentiates(timed):
+    import warnings
+    train, _ = timed
+    layer = EncoderLayer(train).eval()
+    x = torch.randn(2, 7, train.config.hidden_size, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(layer, (x,))  # the tracer checks the trace again under no_grad
+    xg = x.clone().requires_grad_()
+    traced(xg).sum().backward()
+    ref = x.clone().requires_grad_()
+    layer(ref).sum().backward()
+    assert float((xg.grad - ref.grad).abs().max()) <= 1e-12

@@ -101,9 +101,11 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
     Raises:
         ValueError: ``strict`` and some layer cannot be converted (all are listed; nothing is
             replaced), or ``model`` is itself a layer.
-        ConfigError: a bad override. RuntimeError: ``transformers`` older than 5.0.
+        ConfigError: a bad override. RuntimeError: ``transformers`` older than 5.0. TypeError: not an ``nn.Module``.
         ImportError: ``transformers`` is not installed. ToolchainError, BuildError: compilation failed.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() takes a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     import transformers
 
     major = int(str(transformers.__version__).split(".")[0])

@@ -212,7 +212,7 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
 # -- graphs --------------------------------------------------------------------------------------
 def optimized_graphs(config: EncoderConfig, mode: str = "train"):
     """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's
-    layouts; backward None in mode ``inference``."""
+    layouts; backward None in mode ``eval``."""
     return compile_graphs(load_config(config), fuse_ops=True, mode=mode)
 
 
@@ -248,7 +248,7 @@ class Analysis:
         operators: forward operators then backward operators (:class:`OperatorCount`).
         unfused_bytes: total bytes (forward + backward) of the unoptimized graphs, when ``optimized``.
         measurement: the :class:`Measurement`, when measured.
-        mode: ``train`` (forward and backward graphs) or ``inference`` (the inference build's forward
+        mode: ``train`` (forward and backward graphs) or ``eval`` (the inference build's forward
             graph alone).
     """
 
@@ -361,7 +361,7 @@ def _pct(part, whole) -> float:
 
 def analyze(config, optimized: bool = False, mode: str = "train") -> Analysis:
     """Count the forward and backward graphs of ``config`` (a config, a YAML path or a bundled name);
-    ``mode="inference"``: the forward graph of the inference build alone (no dropout, nothing saved).
+    ``mode="eval"``: the forward graph of the inference build alone (no dropout, nothing saved).
 
     With ``optimized``, counts the fused graphs and also the unfused ones, for
     :attr:`Analysis.data_movement_reduction_pct`. Needs no compilation.
@@ -388,7 +388,7 @@ def analyze(config, optimized: bool = False, mode: str = "train") -> Analysis:
 def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=None,
             copy_bytes: int | None = None, optimized: bool = False, mode: str = "train") -> Measurement:
     """Run the compiled layer (train mode, random input at the config's sizes) with per-operator timers;
-    ``mode="inference"``: forward passes of the inference build in eval mode under ``torch.inference_mode``.
+    ``mode="eval"``: forward passes of the inference build in eval mode under ``torch.inference_mode``.
 
     Compiles ``config`` with ``instrument=True`` (and the pipeline's optimization stages only when
     ``optimized``, so the timers match the graphs :func:`analyze` counted with the same flag) unless an

@@ -32,17 +32,14 @@ from typing import Callable
 
 from ..config import load_config
 from ..layer import EncoderLayer
-from ..pipeline import compile_layer
+from ..pipeline import MODES, compile_layer
 from .analysis import analyze, measure, operator_count
 from .baselines import eager_baseline, padding_mask
 from .probes import copy_bandwidth, fma_peak, gemm_rate, machine_info
 from .timing import (PASSES, Candidate, env_var, fresh_inductor_cache, interleaved_times, sample_stats,
                      saved_tensor_bytes, set_substation_threads, time_step)
 
-__all__ = ["BENCH_MODES", "IMPLEMENTATIONS", "SCHEMA", "kernel_table", "run_bench", "time_limit"]
-
-#: ``substation bench --mode``: training steps or inference forward passes.
-BENCH_MODES = ("train", "eval")
+__all__ = ["IMPLEMENTATIONS", "SCHEMA", "kernel_table", "run_bench", "time_limit"]
 
 #: The implementations of a bench, in order.
 IMPLEMENTATIONS = ("substation", "eager", "compile")
@@ -127,8 +124,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    if mode not in BENCH_MODES:
-        raise ValueError(f"mode must be one of {', '.join(BENCH_MODES)}, got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "eval" and layout is not None:
         raise ValueError("a layout plan applies to training builds; bench --mode eval runs the inference build")
     train = mode == "train"
@@ -206,7 +203,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     timed = "forward_backward" if train else "forward"
     sub = med["substation"][timed]
     say("limit: BLAS GEMM rate, FMA peak and copy bandwidth")
-    limit = time_limit(config, {n: med[n][timed] for n in med}, mode="train" if train else "inference")
+    limit = time_limit(config, {n: med[n][timed] for n in med}, mode=mode)
     result = {
         "schema": SCHEMA,
         "config": config.to_dict(),
@@ -230,7 +227,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
 
 
 def time_limit(config, measured_seconds: dict | None = None, mode: str = "train") -> dict:
-    """The analysis' lower bound on one forward+backward step of ``config`` (``mode="inference"``: one
+    """The analysis' lower bound on one forward+backward step of ``config`` (``mode="eval"``: one
     forward pass of the inference build), from rates measured now: contraction flop at the BLAS's GEMM
     rate plus the SN/EW kernels' required bytes at the copy bandwidth.
 

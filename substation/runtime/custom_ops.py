@@ -222,7 +222,10 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
                             f"{tuple(mask.shape)}")
     training = training and any(v > 0 for v in config.dropout.probabilities())
     seed = torch.randint(0, 2 ** 62, (1,)) if training else torch.zeros(1, dtype=torch.int64)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    # torch.jit.trace records the choice as a constant and checks it under no_grad: a traced call
+    # always runs the training build (correct with or without gradients).
+    needs_grad = torch.jit.is_tracing() or (
+        torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
     outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
                              [p if p.is_contiguous() else p.contiguous() for p in params], seed, training,
                              not needs_grad and not training)

@@ -188,11 +188,11 @@ class CompiledGraph:
 @dataclasses.dataclass
 class CompiledLayer:
     """The compiled graphs of one config plus build facts: forward and backward (mode ``train``) or
-    forward alone (mode ``inference``).
+    forward alone (mode ``eval``).
 
     Attributes:
         config: the encoder config.
-        forward, backward: the loaded graphs (backward None in mode ``inference``).
+        forward, backward: the loaded graphs (backward None in mode ``eval``).
         build_seconds: compile time of each library (0 when it came from the cache).
         sources: generated C++ source of each graph.
         options: the keyword arguments of :func:`substation.pipeline.compile_layer` that produced it
@@ -214,12 +214,12 @@ class CompiledLayer:
 
     @property
     def mode(self) -> str:
-        """``train`` (with a backward library) or ``inference``."""
-        return "train" if self.backward is not None else "inference"
+        """``train`` (with a backward library) or ``eval``."""
+        return "train" if self.backward is not None else "eval"
 
     def forward_only(self) -> "CompiledLayer":
         """The build to run when no gradient is needed and no dropout is drawn: the inference build
-        (this build itself in mode ``inference``, or when none was supplied)."""
+        (this build itself in mode ``eval``, or when none was supplied)."""
         if self.backward is None or self.inference_build is None:
             return self
         return self.inference_build()
@@ -227,7 +227,7 @@ class CompiledLayer:
     @property
     def saved_names(self) -> list[str]:
         """Tensors the backward graph reads besides dY: forward tensors and parameters (none in mode
-        ``inference``)."""
+        ``eval``)."""
         if self.backward is None:
             return []
         return [t.name for t in self.backward.args if t.role in ("saved", "param")]
