@@ -9,6 +9,7 @@ import re
 import stat
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ import torch
 from conftest import NO_DROPOUT, make_layer, reference_for
 from substation.backends.cuda import build as build_cuda
 from substation.backends.cpu.build import BuildError, ToolchainError
-from substation.backends.cuda.build import build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags
+from substation.backends.cuda.build import (build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags,
+                                            ptxas_resources)
 from substation.backends.cuda.codegen import generate_cuda, stat_tensors, tensor_dtypes
 from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
@@ -406,3 +408,33 @@ def test_nvcc_rejects_broken_source_without_caching(fresh_toolchain, tmp_path):
         build_cuda.build_cuda_library('#include "substation_cuda.cuh"\nthis is not CUDA', "broken")
     cache = tmp_path / "cache"
     assert [p for p in os.listdir(cache) if not p.startswith(".")] == []
+
+
+@pytest.fixture(scope="module")
+def bert_large_ptxas():
+    """ptxas's register and spill report of the BERT-large forward and backward builds in float16,
+    bfloat16 and float32 (one compilation per source, all at once)."""
+    reason = _nvcc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    sources = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        fwd, bwd = _graphs(load_config("bert-large-b8-l512").replace(target="cuda", dtype=dtype))
+        sources[dtype, "forward"], sources[dtype, "backward"] = generate_cuda(fwd), generate_cuda(bwd)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {key: pool.submit(ptxas_resources, src, "sm_90") for key, src in sources.items()}
+        return {key: (sources[key], f.result()) for key, f in futures.items()}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_bert_large_kernels_spill_no_registers(bert_large_ptxas, dtype):
+    """Launch bounds equal to the launched block size: ptxas spills nothing in any kernel entry."""
+    for phase in ("forward", "backward"):
+        src, resources = bert_large_ptxas[dtype, phase]
+        row_kernels = src.count("template <int V, bool WARP>")
+        sums = len(re.findall(r"^SS_KERNEL\(sscuda::kColBlock\) void k\d+_\w+_sum\d+\(", src, re.M))
+        assert len(resources) == 4 * row_kernels + sums  # V in {1, VMAX} x warp/block, plus the column sums
+        assert all(r.registers > 0 for r in resources)
+        spilled = [r for r in resources if r.spill_stores or r.spill_loads]
+        assert not spilled, (phase, spilled)

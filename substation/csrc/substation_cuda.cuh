@@ -23,7 +23,7 @@
 
 #ifdef SS_EMULATE
 #include <vector>
-#define SS_KERNEL static
+#define SS_KERNEL(threads) static
 #define SS_DEV inline
 #define SS_HD inline
 #define SS_TARGET "cuda-emulated"
@@ -37,7 +37,11 @@
 #else
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
-#define SS_KERNEL __global__ __launch_bounds__(512)
+// A kernel launched with at most `threads` threads per block: the bound is the launcher's block size
+// and one resident block, so ptxas may use up to 65536 / threads registers (255 at most). A bound of 512
+// for the 128-thread warp-mode blocks, or an occupancy target, makes ptxas cap registers below what
+// the row kernels need, and spill.
+#define SS_KERNEL(threads) __global__ __launch_bounds__(threads, 1)
 #define SS_DEV __device__ __forceinline__
 #define SS_HD __host__ __device__ __forceinline__
 #define SS_TARGET "cuda"
@@ -77,6 +81,10 @@ constexpr int kMaxBlock = 512;
 constexpr int kColX = 32, kColY = 8;
 typedef cudaStream_t Stream;
 #endif
+// Threads per block of a row kernel (warp mode: kWarpRows warps; block mode: at most kMaxBlock)
+// and of a column-sum kernel: the launch bounds of the generated kernels.
+template <bool WARP> constexpr int row_block_max() { return WARP ? kWarpRows * kWarp : kMaxBlock; }
+constexpr int kColBlock = kColX * kColY;
 // Blocks of a kernel that has column reductions: fixed, so that the partial sums (and hence the
 // result) do not depend on the GPU model.
 constexpr int64_t kColGrid = 512;
@@ -311,11 +319,11 @@ inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, bool column, 
   c.warp = nvec <= 2 * kWarp;
   if (c.warp) {
     c.rows_per_block = kWarpRows;
-    c.block = kWarpRows * kWarp;
+    c.block = row_block_max<true>();
   } else {
     c.rows_per_block = 1;
     const int64_t b = (nvec + kWarp - 1) / kWarp * kWarp;
-    c.block = (int)std::min<int64_t>(b, kMaxBlock);
+    c.block = (int)std::min<int64_t>(b, row_block_max<false>());
   }
   const int64_t blocks = std::max<int64_t>(1, (nrows + c.rows_per_block - 1) / c.rows_per_block);
   c.grid = std::min<int64_t>(blocks, column ? kColGrid : (int64_t)INT_MAX);

@@ -290,7 +290,7 @@ class _RowKernel(RowEmitter):
         src = [f"// {k}: rows {''.join(self.R) or '-'} x inner {''.join(self.N)}; members: "
                + ", ".join(f"{m['name']} ({m['kind']})" for m in self.model.members),
                "template <int V, bool WARP>",
-               f"SS_KERNEL void {k}({', '.join(params)}) {{",
+               f"SS_KERNEL(sscuda::row_block_max<WARP>()) void {k}({', '.join(params)}) {{",
                "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
                f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()}, nvec_ = nn_ / V;",
                "  const int G_ = WARP ? sscuda::kWarp : (int)SS_BDIM;",
@@ -328,7 +328,7 @@ class _RowKernel(RowEmitter):
         # The second pass of the column reductions: columns x slot groups per block, each thread adds
         # a fixed subset of slots in order, then one thread per column adds the groups in order.
         for q, (t, a) in enumerate(self.model.column_outputs):
-            src += [f"SS_KERNEL void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
+            src += [f"SS_KERNEL(sscuda::kColBlock) void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
                     "const int64_t slots_, const int64_t B, const int64_t J, const int64_t K) {",
                     "  (void)B; (void)J; (void)K;",
                     f"  const int64_t nn_ = {self.nn()};",
@@ -369,7 +369,7 @@ class _RowKernel(RowEmitter):
         for q, (t, _) in enumerate(self.model.column_outputs):
             launch.append(f"  SS_CHECK(sscuda::launch(\"{k}_sum{q}\", &{k}_sum{q}, "
                           f"std::min<int64_t>((nn_ + sscuda::kColX - 1) / sscuda::kColX, 65535), "
-                          f"sscuda::kColX * sscuda::kColY, sizeof(double) * sscuda::kColX * sscuda::kColY, "
+                          f"sscuda::kColBlock, sizeof(double) * sscuda::kColBlock, "
                           f"stream_, part_, {t}, cfg_.partial_slots, B, J, K));")
         launch.append("}")
         ws = "0"
