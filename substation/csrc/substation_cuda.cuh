@@ -71,6 +71,7 @@ namespace emu {
 struct State {
   int64_t tid = 0, bid = 0, bdim = 1, gdim = 1;
   std::vector<unsigned char> smem;
+  int64_t philox_blocks = 0;  // Philox blocks drawn on this thread (the tests count them)
 };
 inline State& state() { static thread_local State s; return s; }
 }  // namespace emu
@@ -179,6 +180,9 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 struct Words { uint32_t w[4]; };
 
 SS_HD Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
+#ifdef SS_EMULATE
+  ++emu::state().philox_blocks;
+#endif
   uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = stream, c3 = 0;
   uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
   SS_UNROLL
@@ -202,19 +206,24 @@ SS_HD uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t index) {
   const uint32_t w = j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
   return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
-// The bits of elements first .. first + V - 1: one block per eight elements when `first` is a
-// multiple of 8 and V of 8, else one block per element.
+// The bits of elements first .. first + V - 1. With V a multiple of 4 and `first` a multiple of 4
+// (the vector instantiations of the row kernels) each Philox block is drawn once: one per 8 elements
+// (V = 8, float16/bfloat16), one per 4 (V = 4, float32: the 4 elements use half of its words);
+// otherwise one block per element.
 template <int V> SS_DEV void random_bits_run(uint64_t seed, uint32_t stream, uint64_t first, uint32_t* out) {
-  if constexpr (V % 8 == 0) {
-    if ((first & 7) == 0) {
+  if constexpr (V % 4 == 0) {
+    if ((first & 3) == 0) {
+      Words b;
       SS_UNROLL
-      for (int g = 0; g < V / 8; ++g) {
-        const Words b = philox((first >> 3) + (uint64_t)g, stream, seed);
-        SS_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          out[8 * g + 2 * j] = b.w[j] & 0xFFFFu;
-          out[8 * g + 2 * j + 1] = b.w[j] >> 16;
-        }
+      for (int g = 0; g < V / 4; ++g) {
+        const uint64_t e = first + 4 * (uint64_t)g;
+        if (g == 0 || (e & 7) == 0) b = philox(e >> 3, stream, seed);
+        const bool upper = (e & 7) != 0;  // elements 4..7 of their block: words 2 and 3
+        const uint32_t w0 = upper ? b.w[2] : b.w[0], w1 = upper ? b.w[3] : b.w[1];
+        out[4 * g] = w0 & 0xFFFFu;
+        out[4 * g + 1] = w0 >> 16;
+        out[4 * g + 2] = w1 & 0xFFFFu;
+        out[4 * g + 3] = w1 >> 16;
       }
       return;
     }
