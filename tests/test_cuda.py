@@ -20,7 +20,8 @@ from substation.backends.cuda import build as build_cuda
 from substation.backends.cpu.build import BuildError, ToolchainError
 from substation.backends.cuda.build import (build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags,
                                             ptxas_resources)
-from substation.backends.cuda.codegen import generate_cuda, stat_tensors, tensor_dtypes
+from substation.backends.cuda.codegen import (RowTooLongError, generate_cuda, row_launch_plans, shared_memory_limit,
+                                              stat_tensors, tensor_dtypes)
 from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer
@@ -156,6 +157,53 @@ def test_generated_source_structure(name):
     header = open(csrc_file("substation_cuda.cuh")).read()
     for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync"):
         assert needle in header
+
+
+def test_element_wise_kernels_reserve_no_shared_memory():
+    """Only row buffers, column accumulators and block reductions take shared memory: BERT-large's
+    fused bias kernels (input bias; bias, activation and dropout) reserve none."""
+    cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float16")
+    fwd, bwd = _graphs(cfg)
+    plans = {p.kernel: p for g in (fwd, bwd) for p in row_launch_plans(g)}
+    for p in plans.values():
+        if not p.buffers and not p.reduces:
+            assert p.shared_bytes == 0, p
+    assert plans["k1_input_bias"].shared_bytes == 0 and plans["k8_BA"].shared_bytes == 0
+    assert plans["k3_MSD"].shared_bytes == (32 + 4 * 512) * 4  # warp mode: 4 rows of 512 floats
+    src = generate_cuda(fwd)
+    assert "sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, 0, 0, false, sizeof(comp_t))" in src
+
+
+# I, U, L -> the backward kernel refused while generating (None: every launch fits, sm_90). Layer-norm
+# backward keeps 5 row buffers of I floats; the linear1 bias gradient a column accumulator of U floats.
+SIZE_SWEEP = {(1024, 4096, 8192): None, (4096, 16384, 2048): None, (8192, 32768, 512): None,
+              (16384, 16384, 8192): ("k0_BSBLNDB", 16384, 5, 327808),
+              (12288, 49152, 512): ("k0_BSBLNDB", 12288, 5, 245888),
+              (1024, 65536, 512): ("k3_BAB", 65536, 1, 262144)}
+
+
+@pytest.mark.parametrize("i, u, l", list(SIZE_SWEEP))
+def test_row_sizes_fit_or_are_refused_when_generating(i, u, l):
+    """Up to I = 16384, U = 65536, L = 8192: the generated launches fit a block's shared memory, or
+    generation stops with a message naming the kernel, the row length and the bytes."""
+    cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float32", hidden_size=i, ffn_size=u,
+                                                    max_seq_len=l, num_heads=16)
+    limit = shared_memory_limit(cfg.cuda_arch)
+    assert limit == 232448 and shared_memory_limit("sm_80") == 166912 and shared_memory_limit("sm_89") == 101376
+    fwd, bwd = _graphs(cfg)
+    plans = row_launch_plans(fwd)
+    assert plans and all(p.shared_bytes <= limit for p in plans)
+    expected = SIZE_SWEEP[i, u, l]
+    if expected is None:
+        assert all(p.shared_bytes <= limit for p in row_launch_plans(bwd))
+        return
+    kernel, n, buffers, nbytes = expected
+    message = (rf"{kernel} \(.*\): a row of {n} elements with {buffers} row buffer\(s\) needs {nbytes} B of shared "
+               rf"memory per block, more than the 232448 B a block can have on sm_90 \(config bert-large-b8-l512: "
+               rf"I={i}, U={u}, L={l}\); the CUDA target does not support rows this long")
+    for make in (row_launch_plans, generate_cuda):
+        with pytest.raises(RowTooLongError, match=message):
+            make(bwd)
 
 
 @pytest.mark.parametrize("b, j", [(4, 7), (1, 300)])  # 300: rows drawn in 256-element chunks, plus a tail

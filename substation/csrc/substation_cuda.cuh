@@ -311,9 +311,10 @@ template <bool WARP, typename T> SS_DEV T group_max(T v, T* red) {
 // ---- row-kernel launch configuration ---------------------------------------------------------
 // A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
 // (nvec <= 2 warps) get one warp each, kWarpRows rows per block; longer rows one block each
-// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory: 32 reduction slots plus,
-// per row in flight, `slots` row-long arrays (buffers of intermediate tensors and column
-// accumulators) of the compute type.
+// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory, in elements of the compute
+// type: `red` reduction slots (32 for a kernel that reduces rows, else 0) plus, per row in flight,
+// `slots` row-long arrays (buffers of intermediate tensors and column accumulators); an element-wise
+// kernel without buffers reserves none.
 struct RowCfg {
   int64_t grid;
   int block;
@@ -322,7 +323,7 @@ struct RowCfg {
   size_t smem;
   int64_t partial_slots;  // grid * rows_per_block: partial sums per column output
 };
-inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, bool column, size_t csize) {
+inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, int red, bool column, size_t csize) {
   RowCfg c;
   const int64_t nvec = nn / v;
   c.warp = nvec <= 2 * kWarp;
@@ -336,7 +337,7 @@ inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, bool column, 
   }
   const int64_t blocks = std::max<int64_t>(1, (nrows + c.rows_per_block - 1) / c.rows_per_block);
   c.grid = std::min<int64_t>(blocks, column ? kColGrid : (int64_t)INT_MAX);
-  c.smem = (size_t)(32 + (int64_t)c.rows_per_block * slots * nn) * csize;
+  c.smem = (size_t)(red + (int64_t)c.rows_per_block * slots * nn) * csize;
   c.partial_slots = c.grid * c.rows_per_block;
   return c;
 }

@@ -51,13 +51,58 @@ from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_ind
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
 
-__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
+__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError",
+           "RowTooLongError", "RowLaunchPlan", "row_launch_plans", "shared_memory_limit"]
 
 #: Config dtype -> C++ storage type of the generated code.
 STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 #: Config dtype -> dtype of the arithmetic (and of normalization statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
+#: Dynamic shared memory one block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes, by the
+#: major and minor digits of ``cuda_arch``; other architectures get the smallest, 101376 B.
+SHARED_MEMORY_PER_BLOCK = {"80": 166912, "87": 166912, "90": 232448, "100": 232448, "103": 232448}
+_SMEM_FLOOR = 101376
+#: Constants of the launcher (substation_cuda.cuh): lanes per warp, rows per warp-mode block, slots
+#: of a block-mode reduction.
+_WARP, _WARP_ROWS, _RED_SLOTS = 32, 4, 32
+
+
+class RowTooLongError(ValueError):
+    """A row kernel's rows need more shared memory than a block can have on the target GPU."""
+
+
+def shared_memory_limit(arch: str) -> int:
+    """Bytes of dynamic shared memory a block may use on ``arch`` (e.g. ``"sm_90"`` -> 232448).
+
+    Raises:
+        ValueError: a malformed ``arch``.
+    """
+    m = re.fullmatch(r"sm_(\d{2,3})[a-z]?", arch)
+    if not m:
+        raise ValueError(f"cuda_arch: must look like sm_90 or sm_90a, got {arch!r}")
+    return SHARED_MEMORY_PER_BLOCK.get(m.group(1), _SMEM_FLOOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLaunchPlan:
+    """The shared memory of one generated row kernel at the config's sizes (J = K = max_seq_len).
+
+    Attributes:
+        kernel: the kernel's name (``k3_MSD``); members: its operators' labels.
+        row_elements: elements per row (the inner letters' sizes multiplied).
+        buffers: row-long shared arrays per row (intermediate tensors and column accumulators).
+        reduces: whether it reduces rows (block mode then uses 32 shared slots).
+        shared_bytes: the largest dynamic shared memory of its instantiations (scalar and vector,
+            warp or block mode), bytes; 0 for a kernel with neither buffers nor reductions.
+    """
+
+    kernel: str
+    members: tuple[str, ...]
+    row_elements: int
+    buffers: int
+    reduces: bool
+    shared_bytes: int
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
@@ -133,6 +178,7 @@ class _RowKernel(RowEmitter):
         self.produced: dict[str, int] = {}   # tensor -> loop that produced it (in-kernel)
         self.reads: dict[str, set] = {}      # tensor -> loops that read it
         self.loaded: set[str] = set()        # cached memory tensors already in their buffer
+        self.reduces = False                 # whether a sweep reduces rows (needs the `red_` slots)
         self.begin_members()
 
     def open_loop(self) -> _Loop:
@@ -221,6 +267,7 @@ class _RowKernel(RowEmitter):
             if self._buffered(t):
                 lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
         if sweep.reductions:  # each thread holds a partial result: combine them across the row's group
+            self.reduces = True
             self._close()
             for acc, op in sweep.reductions:
                 self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_);")
@@ -272,15 +319,41 @@ class _RowKernel(RowEmitter):
     def nn(self) -> str:
         return " * ".join(dim_size(c) for c in self.N)
 
+    def _prepare(self) -> None:
+        """Emit the kernel body twice: a dry run finds which tensors need row buffers, the second
+        run uses them."""
+        if getattr(self, "_rows", None) is None:
+            self._emit_rows(None)
+            self.buffers = self._make_plan()["buffers"]
+            self._rows = self._emit_rows({"buffers": self.buffers})
+
+    def launch_plan(self) -> RowLaunchPlan:
+        """The shared memory this kernel's launches need at the config's sizes (mirrors
+        ``sscuda::row_cfg``: warp mode for rows of at most 64 vectors, 4 rows per block)."""
+        self._prepare()
+        cfg = self.graph.config
+        sizes = cfg.sizes()
+        nn = 1
+        for c in self.N:
+            nn *= int(sympy.sympify(dim_symbol(c)).subs({sympy.Symbol(k): v for k, v in sizes.items()}))
+        nslots = len(self.buffers) + len(self.model.column_outputs)
+        csize = 8 if COMPUTE_DTYPES[cfg.dtype] == "float64" else 4
+        widths = [1] + ([16 // cfg.itemsize] if self.vector_possible and nn % (16 // cfg.itemsize) == 0 else [])
+        worst = 0
+        for v in widths:
+            rpb = _WARP_ROWS if nn // v <= 2 * _WARP else 1
+            worst = max(worst, rpb * nslots * nn + (_RED_SLOTS if self.reduces else 0))
+        return RowLaunchPlan(self.name, tuple(m["name"] for m in self.model.members), nn, nslots, self.reduces,
+                             worst * csize)
+
     def generate(self) -> tuple[list[str], list[str], str]:
         """(kernel definitions, launch statements for ``substation_run``, workspace bytes expression
         of the column partial sums or "0")."""
-        self._emit_rows(None)
-        plan = self._make_plan()
-        rows = self._emit_rows(plan)
-        buffers = plan["buffers"]
+        self._prepare()
+        rows, buffers = self._rows, self.buffers
         ncol = len(self.model.column_outputs)
         nslots = len(buffers) + ncol
+        red = _RED_SLOTS if self.reduces else 0
         k = self.name
         params = [f"{'' if w else 'const '}{self.gen.ctype(t)}* __restrict__ {t}" for t, _, w in self.params]
         if ncol:
@@ -299,7 +372,7 @@ class _RowKernel(RowEmitter):
                "  const int tid_ = WARP ? (int)SS_TID % sscuda::kWarp : (int)SS_TID;",
                "  SS_SMEM(comp_t, smem_);",
                "  comp_t* red_ = smem_; (void)red_;",
-               f"  comp_t* row_mem_ = smem_ + 32 + (int64_t)grp_ * {max(nslots, 1)} * nn_; (void)row_mem_;"]
+               f"  comp_t* row_mem_ = smem_ + {red} + (int64_t)grp_ * {nslots} * nn_; (void)row_mem_;"]
         for q, t in enumerate(buffers):
             src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
         for q, (t, _) in enumerate(self.model.column_outputs):
@@ -363,7 +436,7 @@ class _RowKernel(RowEmitter):
         launch = [f"{{  // {k}",
                   f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()};",
                   f"  const bool vec_ = {vec};",
-                  f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {max(nslots, 1)}, {col}, sizeof(comp_t));",
+                  f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {nslots}, {red}, {col}, sizeof(comp_t));",
                   f"  auto kern_ = {pick};",
                   f"  SS_CHECK(sscuda::launch(\"{k}\", kern_, cfg_.grid, cfg_.block, cfg_.smem, stream_, {args}));"]
         for q, (t, _) in enumerate(self.model.column_outputs):
@@ -375,7 +448,7 @@ class _RowKernel(RowEmitter):
         ws = "0"
         if ncol:
             vs = ["1"] + (["VMAX"] if self.vector_possible else [])
-            terms = [f"sscuda::row_cfg({self.nrows()}, {self.nn()}, {v}, {max(nslots, 1)}, true, sizeof(comp_t))"
+            terms = [f"sscuda::row_cfg({self.nrows()}, {self.nn()}, {v}, {nslots}, {red}, true, sizeof(comp_t))"
                      f".partial_slots" for v in vs]
             slots = terms[0] if len(terms) == 1 else f"std::max({terms[0]}, {terms[1]})"
             ws = f"(int64_t)sizeof(comp_t) * {ncol} * ({self.nn()}) * {slots}"
@@ -465,6 +538,33 @@ def _numel(dims: str) -> str:
     return " * ".join(dim_size(d) for d in dims)
 
 
+def _check_fits(graph: LayerGraph, plan: RowLaunchPlan) -> None:
+    limit = shared_memory_limit(graph.config.cuda_arch)
+    if plan.shared_bytes > limit:
+        raise RowTooLongError(
+            f"{plan.kernel} ({', '.join(plan.members)}): a row of {plan.row_elements} elements with "
+            f"{plan.buffers} row buffer(s) needs {plan.shared_bytes} B of shared memory per block, more than "
+            f"the {limit} B a block can have on {graph.config.cuda_arch} (config {graph.config.name}: I={graph.config.hidden_size}, "
+            f"U={graph.config.ffn_size}, L={graph.config.max_seq_len}); the CUDA target does not support rows this long")
+
+
+def row_launch_plans(graph: LayerGraph) -> list[RowLaunchPlan]:
+    """The shared memory of every row kernel :func:`generate_cuda` makes from ``graph``, in operator
+    order, at the config's sizes (J = K = ``max_seq_len``).
+
+    Raises:
+        RowTooLongError: as :func:`generate_cuda`.
+    """
+    gen = _Generator(graph)
+    plans = []
+    for n, op in enumerate(graph.operators()):
+        if op.kind != "contraction":
+            plan = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label)).launch_plan()
+            _check_fits(graph, plan)
+            plans.append(plan)
+    return plans
+
+
 def generate_cuda(graph: LayerGraph) -> str:
     """CUDA C++ source of ``graph`` (see the module docstring for the exported ABI).
 
@@ -475,6 +575,9 @@ def generate_cuda(graph: LayerGraph) -> str:
 
     Raises:
         LayoutError: a contraction's operand layouts need an explicit transpose.
+        RowTooLongError: a row kernel's rows at the config's sizes (J = K = ``max_seq_len``) need more
+            shared memory than a block has on ``cuda_arch`` (the message names the kernel and the bytes;
+            longer sequences than ``max_seq_len`` are checked at launch).
         ValueError: the config's dtype has no CUDA storage type.
     """
     cfg = graph.config
@@ -492,6 +595,7 @@ def generate_cuda(graph: LayerGraph) -> str:
             body.append("}")
             continue
         rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
+        _check_fits(graph, rk.launch_plan())
         src, launch, ws = rk.generate()
         kernels += src
         body += launch
