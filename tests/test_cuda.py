@@ -148,6 +148,8 @@ def test_generated_source_structure(name):
         assert "typedef __half store_t;" in src and "typedef float comp_t;" in src
         assert re.search(r"comp_t\* __restrict__ layer_norm\d_(mean|rstd)", src)
         assert "cublas" not in src  # GEMMs go through the header's cuBLAS wrapper
+        assert "SS_CHECK(sscuda::begin(stream_, ws_));" in src  # cuBLAS gets the head of the workspace
+        assert "int64_t total = sscuda::align_up(sscuda::kBlasWorkspace);" in src
         if name != "tiny":  # I, U, K: 16-byte vectors are possible in every row kernel
             assert src.count("const bool vec_ = false;") == 0
     fwd_src = generate_cuda(_graphs(cfg)[0])
@@ -155,7 +157,8 @@ def test_generated_source_structure(name):
     assert "sscuda::gemm<store_t>(false, true, B*J, 3*H*P, I, 1.0, X + (0)" in fwd_src
     assert "if (gs_[q_] > gs_[best_]) best_ = q_;" in fwd_src
     header = open(csrc_file("substation_cuda.cuh")).read()
-    for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync"):
+    for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync",
+                   "cublasSetWorkspace(h, blas_workspace, (size_t)kBlasWorkspace)"):
         assert needle in header
 
 
@@ -448,7 +451,7 @@ def test_nvcc_libraries_link_and_load_without_gpu(nvcc_layers):
             assert "code=sm_90" in manifest
             ws = g.lib.substation_workspace_bytes
             small, large = (ws((ctypes.c_int64 * 3)(b, j, j)) for b, j in ((1, 8), (8, 512)))
-            assert 0 < small < large
+            assert 32 << 20 < small < large  # the cuBLAS workspace (32 MiB) is part of it
         assert compiled.forward.dtypes["layer_norm1_rstd"] == torch.float32
 
 

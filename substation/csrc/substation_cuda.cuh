@@ -86,6 +86,13 @@ typedef cudaStream_t Stream;
 // and of a column-sum kernel: the launch bounds of the generated kernels.
 template <bool WARP> constexpr int row_block_max() { return WARP ? kWarpRows * kWarp : kMaxBlock; }
 constexpr int kColBlock = kColX * kColY;
+// Bytes of the cuBLAS workspace each call hands to its handle (the size cuBLAS recommends for
+// Hopper); none in the emulation, which has no cuBLAS.
+#ifdef SS_EMULATE
+constexpr int64_t kBlasWorkspace = 0;
+#else
+constexpr int64_t kBlasWorkspace = (int64_t)32 << 20;
+#endif
 // Blocks of a kernel that has column reductions: fixed, so that the partial sums (and hence the
 // result) do not depend on the GPU model.
 constexpr int64_t kColGrid = 512;
@@ -402,7 +409,7 @@ inline int gemm_cm<double>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, do
       }
   return 0;
 }
-inline int begin(Stream) { error_buffer()[0] = 0; return 0; }
+inline int begin(Stream, void*) { error_buffer()[0] = 0; return 0; }
 inline int finish() { return 0; }
 
 #else
@@ -445,7 +452,9 @@ inline const char* blas_status_name(cublasStatus_t s) {
 inline int blas_fail(cublasStatus_t s, const char* what) { return fail(kErrBlas + (int)s, what, blas_status_name(s)); }
 
 // One cuBLAS handle per device and host thread, created on first use and kept; bound to the
-// caller's stream before every call.
+// caller's stream and given `blas_workspace` (kBlasWorkspace bytes of the call's workspace, on that
+// stream) before every call: cublasSetStream resets the handle to cuBLAS's own pool, which is
+// shared across streams and allocates during CUDA-graph capture.
 inline cublasHandle_t& handle_slot(int device) {
   static thread_local cublasHandle_t handles[256] = {};
   return handles[device & 255];
@@ -456,7 +465,7 @@ struct Ctx {
 };
 inline Ctx& ctx() { static thread_local Ctx c; return c; }
 
-inline int begin(Stream stream) {
+inline int begin(Stream stream, void* blas_workspace) {
   error_buffer()[0] = 0;
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -468,6 +477,8 @@ inline int begin(Stream stream) {
   }
   const cublasStatus_t s = cublasSetStream(h, stream);
   if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, "cublasSetStream");
+  const cublasStatus_t w = cublasSetWorkspace(h, blas_workspace, (size_t)kBlasWorkspace);
+  if (w != CUBLAS_STATUS_SUCCESS) return blas_fail(w, "cublasSetWorkspace");
   ctx().handle = h;
   ctx().stream = stream;
   return 0;

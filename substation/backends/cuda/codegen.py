@@ -38,6 +38,9 @@ The generated library exports the CPU ABI plus a stream::
 
 ``args`` are device pointers, one per non-temporary tensor in :attr:`LayerGraph.tensors` order; all
 work is queued on ``stream`` (kernels and cuBLAS); nothing synchronizes with the host.
+``workspace`` (``substation_workspace_bytes`` bytes, 256-byte aligned, used on ``stream`` only) holds the
+cuBLAS workspace (32 MiB, set with ``cublasSetWorkspace`` on every call), the temporaries and the
+column partial sums.
 """
 from __future__ import annotations
 
@@ -633,7 +636,7 @@ def generate_cuda(graph: LayerGraph) -> str:
         "",
         'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
-        "  int64_t total = 0;",
+        "  int64_t total = sscuda::align_up(sscuda::kBlasWorkspace);",
         *(f"  total += sscuda::align_up((int64_t){item[gen.ctype(t.name)]} * {_numel(t.dims)});" for t in temps),
         "  total += sscuda::align_up(partial_bytes(B, J, K));",
         "  return total;",
@@ -644,11 +647,11 @@ def generate_cuda(graph: LayerGraph) -> str:
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)seed; (void)training;",
         "  const sscuda::Stream stream_ = (sscuda::Stream)stream;",
-        "  SS_CHECK(sscuda::begin(stream_));",
         *(f"  {gen.ctype(t.name)}* {t.name} = static_cast<{gen.ctype(t.name)}*>(args[{i}]);"
           for i, t in enumerate(args)),
         "  char* ws_ = static_cast<char*>(workspace);",
-        "  (void)ws_;",
+        "  SS_CHECK(sscuda::begin(stream_, ws_));  // the cuBLAS workspace comes first",
+        "  ws_ += sscuda::align_up(sscuda::kBlasWorkspace);",
     ]
     for t in temps:
         ct = gen.ctype(t.name)
