@@ -452,7 +452,33 @@ def test_nvcc_libraries_link_and_load_without_gpu(nvcc_layers):
             ws = g.lib.substation_workspace_bytes
             small, large = (ws((ctypes.c_int64 * 3)(b, j, j)) for b, j in ((1, 8), (8, 512)))
             assert 32 << 20 < small < large  # the cuBLAS workspace (32 MiB) is part of it
+            assert b"SUBSTATION_CUDA_DEBUG" in open(g.path, "rb").read()
         assert compiled.forward.dtypes["layer_norm1_rstd"] == torch.float32
+
+
+def test_launcher_debug_mode_and_shared_memory_attribute():
+    """SUBSTATION_CUDA_DEBUG=1 synchronizes after every kernel and GEMM and names it in the error;
+    cudaFuncSetAttribute runs once per kernel, device and larger size (the header's only call)."""
+    header = open(csrc_file("substation_cuda.cuh")).read()
+    assert header.count("cudaFuncSetAttribute(") == 1
+    start = header.index("inline int reserve_smem(")
+    reserve = header[start:header.index("inline int launch(const char* name", start)]
+    assert "granted[{kern, device}]" in reserve and reserve.index("if (smem <= have) return 0;") < reserve.index(
+        "cudaFuncSetAttribute(")
+    launch = header[header.index("inline int launch(const char* name, void (*kern)(KA...), int64_t grid, int block, "
+                                 "size_t smem, Stream stream,"):]
+    assert "return debug_check(name, stream);" in launch[:launch.index("\n}\n")]
+    assert "return debug_check(what, stream);" in header
+    assert 'std::getenv("SUBSTATION_CUDA_DEBUG")' in header and "cudaStreamSynchronize(stream)" in header
+
+
+def test_inference_build_writes_no_dropout_copy():
+    """The eval-mode forward is the inference build: softmax writes A only (no A_drop, nothing saved)."""
+    cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float16")
+    fwd, bwd = compile_graphs(cfg, fuse_ops=True, mode="inference")
+    src = generate_cuda(fwd)
+    assert bwd is None and "A_drop" not in src and "random_bits" not in src.replace("sscuda::", "").split("namespace {")[1]
+    assert re.search(r"// k\d+_MS: rows .* members: mask \(mask\), softmax \(softmax\)", src)
 
 
 @needs_nvcc

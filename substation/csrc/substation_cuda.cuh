@@ -35,6 +35,10 @@
 #define SS_SMEM(type, name) type* name = reinterpret_cast<type*>(::sscuda::emu::state().smem.data())
 #define SS_SYNC() ((void)0)
 #else
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 // A kernel launched with at most `threads` threads per block: the bound is the launcher's block size
@@ -418,21 +422,55 @@ inline int cuda_fail(cudaError_t e, const char* what) {
   return fail(kErrCuda + (int)e, what, cudaGetErrorString(e));
 }
 
+// SUBSTATION_CUDA_DEBUG=1 in the environment (read once per process): every kernel launch and GEMM
+// synchronizes its stream and reports a fault as the failure of that kernel or GEMM, by name.
+inline bool debug_mode() {
+  static const bool on = [] {
+    const char* v = std::getenv("SUBSTATION_CUDA_DEBUG");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+// In debug mode: wait for `stream` and report an error of the work just queued as `name`'s.
+inline int debug_check(const char* name, Stream stream) {
+  if (!debug_mode()) return 0;
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? 0 : cuda_fail(e, name);
+}
+
+// The dynamic shared memory a kernel may use on the current device: raised with
+// cudaFuncSetAttribute once per kernel, device and larger size, not on every launch.
+inline int reserve_smem(const char* name, const void* kern, size_t smem) {
+  if (smem <= 48 * 1024) return 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDevice");
+  static std::mutex lock;
+  static std::map<std::pair<const void*, int>, size_t> granted;
+  std::lock_guard<std::mutex> guard(lock);
+  size_t& have = granted[{kern, device}];
+  if (smem <= have) return 0;
+  e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "a row needs %zu B of shared memory, more than this GPU allows per block",
+                  smem);
+    return fail(kErrSubstation + 2, name, detail);
+  }
+  have = smem;
+  return 0;
+}
+
 template <typename... KA, typename... A>
 inline int launch(const char* name, void (*kern)(KA...), int64_t grid, int block, size_t smem, Stream stream,
                   A... args) {
   if (grid <= 0) return 0;
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute((const void*)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return fail(kErrSubstation + 2, name, "a row does not fit in shared memory (rows too long for this GPU)");
-    }
-  }
+  SS_CHECK(reserve_smem(name, (const void*)kern, smem));
   kern<<<dim3((unsigned)std::min<int64_t>(grid, INT_MAX)), dim3((unsigned)block), smem, stream>>>(args...);
   const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : cuda_fail(e, name);
+  if (e != cudaSuccess) return cuda_fail(e, name);
+  return debug_check(name, stream);
 }
 
 // ---- cuBLAS ----------------------------------------------------------------------------------
@@ -515,7 +553,7 @@ template <> struct BlasType<double> {
 template <typename X>
 inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* A, int64_t lda,
                    int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
-                   Stream) {
+                   Stream stream) {
   if (m <= 0 || n <= 0 || batch <= 0) return 0;
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
     return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
@@ -533,7 +571,9 @@ inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
                                    BlasType<X>::data, (int)ldc, (long long)sc, (int)batch, BlasType<X>::compute,
                                    CUBLAS_GEMM_DEFAULT);
   }
-  return s == CUBLAS_STATUS_SUCCESS ? 0 : blas_fail(s, batch == 1 ? "cublasGemmEx" : "cublasGemmStridedBatchedEx");
+  const char* what = batch == 1 ? "cublasGemmEx" : "cublasGemmStridedBatchedEx";
+  if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, what);
+  return debug_check(what, stream);
 }
 #endif
 
