@@ -20,8 +20,8 @@ from substation.backends.cuda import build as build_cuda
 from substation.backends.cpu.build import BuildError, ToolchainError
 from substation.backends.cuda.build import (build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags,
                                             ptxas_resources)
-from substation.backends.cuda.codegen import (RowTooLongError, generate_cuda, row_launch_plans, shared_memory_limit,
-                                              stat_tensors, tensor_dtypes)
+from substation.backends.cuda.codegen import generate_cuda, row_launch_plans, stat_tensors, tensor_dtypes
+from substation.backends.cuda.launch import RowTooLongError, shared_memory_limit
 from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer

@@ -53,61 +53,16 @@ from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
+from .launch import RED_SLOTS, WARP_LANES, WARP_ROWS, RowLaunchPlan, check_fits
 
-__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError",
-           "RowTooLongError", "RowLaunchPlan", "row_launch_plans", "shared_memory_limit"]
+__all__ = ["generate_cuda", "row_launch_plans", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES",
+           "LayoutError"]
 
 #: Config dtype -> C++ storage type of the generated code.
 STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 #: Config dtype -> dtype of the arithmetic (and of normalization statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
-#: Dynamic shared memory one block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes, by the
-#: major and minor digits of ``cuda_arch``; other architectures get the smallest, 101376 B.
-SHARED_MEMORY_PER_BLOCK = {"80": 166912, "87": 166912, "90": 232448, "100": 232448, "103": 232448}
-_SMEM_FLOOR = 101376
-#: Constants of the launcher (substation_cuda.cuh): lanes per warp, rows per warp-mode block, slots
-#: of a block-mode reduction.
-_WARP, _WARP_ROWS, _RED_SLOTS = 32, 4, 32
-
-
-class RowTooLongError(ValueError):
-    """A row kernel's rows need more shared memory than a block can have on the target GPU."""
-
-
-def shared_memory_limit(arch: str) -> int:
-    """Bytes of dynamic shared memory a block may use on ``arch`` (e.g. ``"sm_90"`` -> 232448).
-
-    Raises:
-        ValueError: a malformed ``arch``.
-    """
-    m = re.fullmatch(r"sm_(\d{2,3})[a-z]?", arch)
-    if not m:
-        raise ValueError(f"cuda_arch: must look like sm_90 or sm_90a, got {arch!r}")
-    return SHARED_MEMORY_PER_BLOCK.get(m.group(1), _SMEM_FLOOR)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowLaunchPlan:
-    """The shared memory of one generated row kernel at the config's sizes (J = K = max_seq_len).
-
-    Attributes:
-        kernel: the kernel's name (``k3_MSD``); members: its operators' labels.
-        row_elements: elements per row (the inner letters' sizes multiplied).
-        buffers: row-long shared arrays per row (intermediate tensors and column accumulators).
-        reduces: whether it reduces rows (block mode then uses 32 shared slots).
-        shared_bytes: the largest dynamic shared memory of its instantiations (scalar and vector,
-            warp or block mode), bytes; 0 for a kernel with neither buffers nor reductions.
-    """
-
-    kernel: str
-    members: tuple[str, ...]
-    row_elements: int
-    buffers: int
-    reduces: bool
-    shared_bytes: int
-
-
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except normalization
     statistics (:func:`~substation.backends.common.stat_tensors`), which have the compute dtype (float32 for
@@ -344,8 +299,8 @@ class _RowKernel(RowEmitter):
         widths = [1] + ([16 // cfg.itemsize] if self.vector_possible and nn % (16 // cfg.itemsize) == 0 else [])
         worst = 0
         for v in widths:
-            rpb = _WARP_ROWS if nn // v <= 2 * _WARP else 1
-            worst = max(worst, rpb * nslots * nn + (_RED_SLOTS if self.reduces else 0))
+            rpb = WARP_ROWS if nn // v <= 2 * WARP_LANES else 1
+            worst = max(worst, rpb * nslots * nn + (RED_SLOTS if self.reduces else 0))
         return RowLaunchPlan(self.name, tuple(m["name"] for m in self.model.members), nn, nslots, self.reduces,
                              worst * csize)
 
@@ -356,7 +311,7 @@ class _RowKernel(RowEmitter):
         rows, buffers = self._rows, self.buffers
         ncol = len(self.model.column_outputs)
         nslots = len(buffers) + ncol
-        red = _RED_SLOTS if self.reduces else 0
+        red = RED_SLOTS if self.reduces else 0
         k = self.name
         params = [f"{'' if w else 'const '}{self.gen.ctype(t)}* __restrict__ {t}" for t, _, w in self.params]
         if ncol:
@@ -541,29 +496,19 @@ def _numel(dims: str) -> str:
     return " * ".join(dim_size(d) for d in dims)
 
 
-def _check_fits(graph: LayerGraph, plan: RowLaunchPlan) -> None:
-    limit = shared_memory_limit(graph.config.cuda_arch)
-    if plan.shared_bytes > limit:
-        raise RowTooLongError(
-            f"{plan.kernel} ({', '.join(plan.members)}): a row of {plan.row_elements} elements with "
-            f"{plan.buffers} row buffer(s) needs {plan.shared_bytes} B of shared memory per block, more than "
-            f"the {limit} B a block can have on {graph.config.cuda_arch} (config {graph.config.name}: I={graph.config.hidden_size}, "
-            f"U={graph.config.ffn_size}, L={graph.config.max_seq_len}); the CUDA target does not support rows this long")
-
-
 def row_launch_plans(graph: LayerGraph) -> list[RowLaunchPlan]:
     """The shared memory of every row kernel :func:`generate_cuda` makes from ``graph``, in operator
     order, at the config's sizes (J = K = ``max_seq_len``).
 
     Raises:
-        RowTooLongError: as :func:`generate_cuda`.
+        RowTooLongError (substation.backends.cuda.launch): as :func:`generate_cuda`.
     """
     gen = _Generator(graph)
     plans = []
     for n, op in enumerate(graph.operators()):
         if op.kind != "contraction":
             plan = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label)).launch_plan()
-            _check_fits(graph, plan)
+            check_fits(graph.config, plan)
             plans.append(plan)
     return plans
 
@@ -598,7 +543,7 @@ def generate_cuda(graph: LayerGraph) -> str:
             body.append("}")
             continue
         rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
-        _check_fits(graph, rk.launch_plan())
+        check_fits(graph.config, rk.launch_plan())
         src, launch, ws = rk.generate()
         kernels += src
         body += launch
