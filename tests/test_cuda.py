@@ -9,6 +9,7 @@ import re
 import stat
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,8 +18,10 @@ import torch
 from conftest import NO_DROPOUT, make_layer, reference_for
 from substation.backends.cuda import build as build_cuda
 from substation.backends.cpu.build import BuildError, ToolchainError
-from substation.backends.cuda.build import build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags
-from substation.backends.cuda.codegen import generate_cuda, stat_tensors, tensor_dtypes
+from substation.backends.cuda.build import (build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags,
+                                            ptxas_resources)
+from substation.backends.cuda.codegen import generate_cuda, row_launch_plans, stat_tensors, tensor_dtypes
+from substation.backends.cuda.launch import RowTooLongError, shared_memory_limit
 from substation.ops.dropout import dropout_keep_mask
 from substation.config import ConfigError, EncoderConfig, load_config
 from substation.pipeline import compile_graphs, compile_layer
@@ -145,6 +148,8 @@ def test_generated_source_structure(name):
         assert "typedef __half store_t;" in src and "typedef float comp_t;" in src
         assert re.search(r"comp_t\* __restrict__ layer_norm\d_(mean|rstd)", src)
         assert "cublas" not in src  # GEMMs go through the header's cuBLAS wrapper
+        assert "SS_CHECK(sscuda::begin(stream_, ws_));" in src  # cuBLAS gets the head of the workspace
+        assert "int64_t total = sscuda::align_up(sscuda::kBlasWorkspace);" in src
         if name != "tiny":  # I, U, K: 16-byte vectors are possible in every row kernel
             assert src.count("const bool vec_ = false;") == 0
     fwd_src = generate_cuda(_graphs(cfg)[0])
@@ -152,8 +157,56 @@ def test_generated_source_structure(name):
     assert "sscuda::gemm<store_t>(false, true, B*J, 3*H*P, I, 1.0, X + (0)" in fwd_src
     assert "if (gs_[q_] > gs_[best_]) best_ = q_;" in fwd_src
     header = open(csrc_file("substation_cuda.cuh")).read()
-    for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync"):
+    for needle in ("cublasGemmStridedBatchedEx", "cublasGemmEx", "CUBLAS_COMPUTE_32F", "CUDA_R_16BF", "__shfl_xor_sync",
+                   "cublasSetWorkspace(h, blas_workspace, (size_t)kBlasWorkspace)"):
         assert needle in header
+
+
+def test_element_wise_kernels_reserve_no_shared_memory():
+    """Only row buffers, column accumulators and block reductions take shared memory: BERT-large's
+    fused bias kernels (input bias; bias, activation and dropout) reserve none."""
+    cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float16")
+    fwd, bwd = _graphs(cfg)
+    plans = {p.kernel: p for g in (fwd, bwd) for p in row_launch_plans(g)}
+    for p in plans.values():
+        if not p.buffers and not p.reduces:
+            assert p.shared_bytes == 0, p
+    assert plans["k1_input_bias"].shared_bytes == 0 and plans["k8_BA"].shared_bytes == 0
+    assert plans["k3_MSD"].shared_bytes == (32 + 4 * 512) * 4  # warp mode: 4 rows of 512 floats
+    src = generate_cuda(fwd)
+    assert "sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, 0, 0, false, sizeof(comp_t))" in src
+
+
+# I, U, L -> the backward kernel refused while generating (None: every launch fits, sm_90). Layer-norm
+# backward keeps 5 row buffers of I floats; the linear1 bias gradient a column accumulator of U floats.
+SIZE_SWEEP = {(1024, 4096, 8192): None, (4096, 16384, 2048): None, (8192, 32768, 512): None,
+              (16384, 16384, 8192): ("k0_BSBLNDB", 16384, 5, 327808),
+              (12288, 49152, 512): ("k0_BSBLNDB", 12288, 5, 245888),
+              (1024, 65536, 512): ("k3_BAB", 65536, 1, 262144)}
+
+
+@pytest.mark.parametrize("i, u, l", list(SIZE_SWEEP))
+def test_row_sizes_fit_or_are_refused_when_generating(i, u, l):
+    """Up to I = 16384, U = 65536, L = 8192: the generated launches fit a block's shared memory, or
+    generation stops with a message naming the kernel, the row length and the bytes."""
+    cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float32", hidden_size=i, ffn_size=u,
+                                                    max_seq_len=l, num_heads=16)
+    limit = shared_memory_limit(cfg.cuda_arch)
+    assert limit == 232448 and shared_memory_limit("sm_80") == 166912 and shared_memory_limit("sm_89") == 101376
+    fwd, bwd = _graphs(cfg)
+    plans = row_launch_plans(fwd)
+    assert plans and all(p.shared_bytes <= limit for p in plans)
+    expected = SIZE_SWEEP[i, u, l]
+    if expected is None:
+        assert all(p.shared_bytes <= limit for p in row_launch_plans(bwd))
+        return
+    kernel, n, buffers, nbytes = expected
+    message = (rf"{kernel} \(.*\): a row of {n} elements with {buffers} row buffer\(s\) needs {nbytes} B of shared "
+               rf"memory per block, more than the 232448 B a block can have on sm_90 \(config bert-large-b8-l512: "
+               rf"I={i}, U={u}, L={l}\); the CUDA target does not support rows this long")
+    for make in (row_launch_plans, generate_cuda):
+        with pytest.raises(RowTooLongError, match=message):
+            make(bwd)
 
 
 @pytest.mark.parametrize("b, j", [(4, 7), (1, 300)])  # 300: rows drawn in 256-element chunks, plus a tail
@@ -189,6 +242,46 @@ def test_numpy_hidden_dropout_masks_match_the_cpu_build(stream, zeroed, ones):
 
 
 # -- the CPU emulation of the generated code -------------------------------------------------------
+PHILOX_HARNESS = r"""
+#include "substation_cuda.cuh"
+template <int V> void run(uint64_t first) {
+  sscuda::emu::state().philox_blocks = 0;
+  uint32_t out[V];
+  sscuda::random_bits_run<V>(0x0123456789ABCDEFull, 3u, first, out);
+  const long long blocks = sscuda::emu::state().philox_blocks;
+  int wrong = 0;
+  for (int l = 0; l < V; ++l) wrong += out[l] != sscuda::random_bits(0x0123456789ABCDEFull, 3u, first + l);
+  std::printf("%d %llu %lld %d\n", V, (unsigned long long)first, blocks, wrong);
+}
+int main() {
+  for (uint64_t f : {0, 4, 8, 12, 1000}) run<4>(f);
+  for (uint64_t f : {0, 4, 8, 16}) run<8>(f);
+  run<4>(2);
+  run<1>(5);
+  return 0;
+}
+"""
+
+
+@needs_emulation
+def test_dropout_draws_each_philox_block_once(tmp_path):
+    """A vector of V lanes draws the bits of V consecutive elements: one Philox block per 4 elements
+    for float32 (V = 4), one per 8 for float16/bfloat16 (V = 8, an 8-aligned start), the same bits as
+    the per-element draw (which the mask tests compare with numpy)."""
+    cxx, _, incs = emulation_toolchain()
+    (tmp_path / "philox.cpp").write_text(PHILOX_HARNESS)
+    exe = tmp_path / "philox"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-DSS_EMULATE", f"-I{os.path.dirname(csrc_file('substation_cuda.cuh'))}",
+                    *(f"-I{d}" for d in incs), str(tmp_path / "philox.cpp"), "-o", str(exe)], check=True)
+    rows = [tuple(map(int, line.split())) for line in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                                      check=True).stdout.splitlines()]
+    blocks = {(v, first): n for v, first, n, _ in rows}
+    assert all(wrong == 0 for *_, wrong in rows)
+    assert [blocks[4, f] for f in (0, 4, 8, 12, 1000)] == [1] * 5
+    assert (blocks[8, 0], blocks[8, 8], blocks[8, 16], blocks[8, 4]) == (1, 1, 1, 2)  # 4: straddles two blocks
+    assert blocks[4, 2] == 4 and blocks[1, 5] == 1  # unaligned: one block per element
+
+
 @functools.lru_cache(maxsize=None)
 def _emulated(config, fuse=True) -> CompiledLayer:
     fwd, bwd = _graphs(config, fuse)
@@ -358,8 +451,34 @@ def test_nvcc_libraries_link_and_load_without_gpu(nvcc_layers):
             assert "code=sm_90" in manifest
             ws = g.lib.substation_workspace_bytes
             small, large = (ws((ctypes.c_int64 * 3)(b, j, j)) for b, j in ((1, 8), (8, 512)))
-            assert 0 < small < large
+            assert 32 << 20 < small < large  # the cuBLAS workspace (32 MiB) is part of it
+            assert b"SUBSTATION_CUDA_DEBUG" in open(g.path, "rb").read()
         assert compiled.forward.dtypes["layer_norm1_rstd"] == torch.float32
+
+
+def test_launcher_debug_mode_and_shared_memory_attribute():
+    """SUBSTATION_CUDA_DEBUG=1 synchronizes after every kernel and GEMM and names it in the error;
+    cudaFuncSetAttribute runs once per kernel, device and larger size (the header's only call)."""
+    header = open(csrc_file("substation_cuda.cuh")).read()
+    assert header.count("cudaFuncSetAttribute(") == 1
+    start = header.index("inline int reserve_smem(")
+    reserve = header[start:header.index("inline int launch(const char* name", start)]
+    assert "granted[{kern, device}]" in reserve and reserve.index("if (smem <= have) return 0;") < reserve.index(
+        "cudaFuncSetAttribute(")
+    launch = header[header.index("inline int launch(const char* name, void (*kern)(KA...), int64_t grid, int block, "
+                                 "size_t smem, Stream stream,"):]
+    assert "return debug_check(name, stream);" in launch[:launch.index("\n}\n")]
+    assert "return debug_check(what, stream);" in header
+    assert 'std::getenv("SUBSTATION_CUDA_DEBUG")' in header and "cudaStreamSynchronize(stream)" in header
+
+
+def test_inference_build_writes_no_dropout_copy():
+    """The eval-mode forward is the inference build: softmax writes A only (no A_drop, nothing saved)."""
+    cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float16")
+    fwd, bwd = compile_graphs(cfg, fuse_ops=True, mode="inference")
+    src = generate_cuda(fwd)
+    assert bwd is None and "A_drop" not in src and "random_bits" not in src.replace("sscuda::", "").split("namespace {")[1]
+    assert re.search(r"// k\d+_MS: rows .* members: mask \(mask\), softmax \(softmax\)", src)
 
 
 @needs_nvcc
@@ -406,3 +525,33 @@ def test_nvcc_rejects_broken_source_without_caching(fresh_toolchain, tmp_path):
         build_cuda.build_cuda_library('#include "substation_cuda.cuh"\nthis is not CUDA', "broken")
     cache = tmp_path / "cache"
     assert [p for p in os.listdir(cache) if not p.startswith(".")] == []
+
+
+@pytest.fixture(scope="module")
+def bert_large_ptxas():
+    """ptxas's register and spill report of the BERT-large forward and backward builds in float16,
+    bfloat16 and float32 (one compilation per source, all at once)."""
+    reason = _nvcc_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    sources = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        fwd, bwd = _graphs(load_config("bert-large-b8-l512").replace(target="cuda", dtype=dtype))
+        sources[dtype, "forward"], sources[dtype, "backward"] = generate_cuda(fwd), generate_cuda(bwd)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {key: pool.submit(ptxas_resources, src, "sm_90") for key, src in sources.items()}
+        return {key: (sources[key], f.result()) for key, f in futures.items()}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_bert_large_kernels_spill_no_registers(bert_large_ptxas, dtype):
+    """Launch bounds equal to the launched block size: ptxas spills nothing in any kernel entry."""
+    for phase in ("forward", "backward"):
+        src, resources = bert_large_ptxas[dtype, phase]
+        row_kernels = src.count("template <int V, bool WARP>")
+        sums = len(re.findall(r"^SS_KERNEL\(sscuda::kColBlock\) void k\d+_\w+_sum\d+\(", src, re.M))
+        assert len(resources) == 4 * row_kernels + sums  # V in {1, VMAX} x warp/block, plus the column sums
+        assert all(r.registers > 0 for r in resources)
+        spilled = [r for r in resources if r.spill_stores or r.spill_loads]
+        assert not spilled, (phase, spilled)

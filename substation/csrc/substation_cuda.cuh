@@ -23,7 +23,7 @@
 
 #ifdef SS_EMULATE
 #include <vector>
-#define SS_KERNEL static
+#define SS_KERNEL(threads) static
 #define SS_DEV inline
 #define SS_HD inline
 #define SS_TARGET "cuda-emulated"
@@ -35,9 +35,17 @@
 #define SS_SMEM(type, name) type* name = reinterpret_cast<type*>(::sscuda::emu::state().smem.data())
 #define SS_SYNC() ((void)0)
 #else
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
-#define SS_KERNEL __global__ __launch_bounds__(512)
+// A kernel launched with at most `threads` threads per block: the bound is the launcher's block size
+// and one resident block, so ptxas may use up to 65536 / threads registers (255 at most). A bound of 512
+// for the 128-thread warp-mode blocks, or an occupancy target, makes ptxas cap registers below what
+// the row kernels need, and spill.
+#define SS_KERNEL(threads) __global__ __launch_bounds__(threads, 1)
 #define SS_DEV __device__ __forceinline__
 #define SS_HD __host__ __device__ __forceinline__
 #define SS_TARGET "cuda"
@@ -67,6 +75,7 @@ namespace emu {
 struct State {
   int64_t tid = 0, bid = 0, bdim = 1, gdim = 1;
   std::vector<unsigned char> smem;
+  int64_t philox_blocks = 0;  // Philox blocks drawn on this thread (the tests count them)
 };
 inline State& state() { static thread_local State s; return s; }
 }  // namespace emu
@@ -76,6 +85,17 @@ constexpr int kWarpRows = 4;
 constexpr int kMaxBlock = 512;
 constexpr int kColX = 32, kColY = 8;
 typedef cudaStream_t Stream;
+#endif
+// Threads per block of a row kernel (warp mode: kWarpRows warps; block mode: at most kMaxBlock)
+// and of a column-sum kernel: the launch bounds of the generated kernels.
+template <bool WARP> constexpr int row_block_max() { return WARP ? kWarpRows * kWarp : kMaxBlock; }
+constexpr int kColBlock = kColX * kColY;
+// Bytes of the cuBLAS workspace each call hands to its handle (the size cuBLAS recommends for
+// Hopper); none in the emulation, which has no cuBLAS.
+#ifdef SS_EMULATE
+constexpr int64_t kBlasWorkspace = 0;
+#else
+constexpr int64_t kBlasWorkspace = (int64_t)32 << 20;
 #endif
 // Blocks of a kernel that has column reductions: fixed, so that the partial sums (and hence the
 // result) do not depend on the GPU model.
@@ -171,6 +191,9 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 struct Words { uint32_t w[4]; };
 
 SS_HD Words philox(uint64_t counter, uint32_t stream, uint64_t seed) {
+#ifdef SS_EMULATE
+  ++emu::state().philox_blocks;
+#endif
   uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = stream, c3 = 0;
   uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
   SS_UNROLL
@@ -194,19 +217,24 @@ SS_HD uint32_t random_bits(uint64_t seed, uint32_t stream, uint64_t index) {
   const uint32_t w = j == 0 ? b.w[0] : j == 1 ? b.w[1] : j == 2 ? b.w[2] : b.w[3];
   return (index & 1) ? w >> 16 : w & 0xFFFFu;
 }
-// The bits of elements first .. first + V - 1: one block per eight elements when `first` is a
-// multiple of 8 and V of 8, else one block per element.
+// The bits of elements first .. first + V - 1. With V a multiple of 4 and `first` a multiple of 4
+// (the vector instantiations of the row kernels) each Philox block is drawn once: one per 8 elements
+// (V = 8, float16/bfloat16), one per 4 (V = 4, float32: the 4 elements use half of its words);
+// otherwise one block per element.
 template <int V> SS_DEV void random_bits_run(uint64_t seed, uint32_t stream, uint64_t first, uint32_t* out) {
-  if constexpr (V % 8 == 0) {
-    if ((first & 7) == 0) {
+  if constexpr (V % 4 == 0) {
+    if ((first & 3) == 0) {
+      Words b;
       SS_UNROLL
-      for (int g = 0; g < V / 8; ++g) {
-        const Words b = philox((first >> 3) + (uint64_t)g, stream, seed);
-        SS_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          out[8 * g + 2 * j] = b.w[j] & 0xFFFFu;
-          out[8 * g + 2 * j + 1] = b.w[j] >> 16;
-        }
+      for (int g = 0; g < V / 4; ++g) {
+        const uint64_t e = first + 4 * (uint64_t)g;
+        if (g == 0 || (e & 7) == 0) b = philox(e >> 3, stream, seed);
+        const bool upper = (e & 7) != 0;  // elements 4..7 of their block: words 2 and 3
+        const uint32_t w0 = upper ? b.w[2] : b.w[0], w1 = upper ? b.w[3] : b.w[1];
+        out[4 * g] = w0 & 0xFFFFu;
+        out[4 * g + 1] = w0 >> 16;
+        out[4 * g + 2] = w1 & 0xFFFFu;
+        out[4 * g + 3] = w1 >> 16;
       }
       return;
     }
@@ -294,9 +322,10 @@ template <bool WARP, typename T> SS_DEV T group_max(T v, T* red) {
 // ---- row-kernel launch configuration ---------------------------------------------------------
 // A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
 // (nvec <= 2 warps) get one warp each, kWarpRows rows per block; longer rows one block each
-// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory: 32 reduction slots plus,
-// per row in flight, `slots` row-long arrays (buffers of intermediate tensors and column
-// accumulators) of the compute type.
+// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory, in elements of the compute
+// type: `red` reduction slots (32 for a kernel that reduces rows, else 0) plus, per row in flight,
+// `slots` row-long arrays (buffers of intermediate tensors and column accumulators); an element-wise
+// kernel without buffers reserves none.
 struct RowCfg {
   int64_t grid;
   int block;
@@ -305,21 +334,21 @@ struct RowCfg {
   size_t smem;
   int64_t partial_slots;  // grid * rows_per_block: partial sums per column output
 };
-inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, bool column, size_t csize) {
+inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, int red, bool column, size_t csize) {
   RowCfg c;
   const int64_t nvec = nn / v;
   c.warp = nvec <= 2 * kWarp;
   if (c.warp) {
     c.rows_per_block = kWarpRows;
-    c.block = kWarpRows * kWarp;
+    c.block = row_block_max<true>();
   } else {
     c.rows_per_block = 1;
     const int64_t b = (nvec + kWarp - 1) / kWarp * kWarp;
-    c.block = (int)std::min<int64_t>(b, kMaxBlock);
+    c.block = (int)std::min<int64_t>(b, row_block_max<false>());
   }
   const int64_t blocks = std::max<int64_t>(1, (nrows + c.rows_per_block - 1) / c.rows_per_block);
   c.grid = std::min<int64_t>(blocks, column ? kColGrid : (int64_t)INT_MAX);
-  c.smem = (size_t)(32 + (int64_t)c.rows_per_block * slots * nn) * csize;
+  c.smem = (size_t)(red + (int64_t)c.rows_per_block * slots * nn) * csize;
   c.partial_slots = c.grid * c.rows_per_block;
   return c;
 }
@@ -384,7 +413,7 @@ inline int gemm_cm<double>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, do
       }
   return 0;
 }
-inline int begin(Stream) { error_buffer()[0] = 0; return 0; }
+inline int begin(Stream, void*) { error_buffer()[0] = 0; return 0; }
 inline int finish() { return 0; }
 
 #else
@@ -393,21 +422,55 @@ inline int cuda_fail(cudaError_t e, const char* what) {
   return fail(kErrCuda + (int)e, what, cudaGetErrorString(e));
 }
 
+// SUBSTATION_CUDA_DEBUG=1 in the environment (read once per process): every kernel launch and GEMM
+// synchronizes its stream and reports a fault as the failure of that kernel or GEMM, by name.
+inline bool debug_mode() {
+  static const bool on = [] {
+    const char* v = std::getenv("SUBSTATION_CUDA_DEBUG");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+// In debug mode: wait for `stream` and report an error of the work just queued as `name`'s.
+inline int debug_check(const char* name, Stream stream) {
+  if (!debug_mode()) return 0;
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? 0 : cuda_fail(e, name);
+}
+
+// The dynamic shared memory a kernel may use on the current device: raised with
+// cudaFuncSetAttribute once per kernel, device and larger size, not on every launch.
+inline int reserve_smem(const char* name, const void* kern, size_t smem) {
+  if (smem <= 48 * 1024) return 0;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDevice");
+  static std::mutex lock;
+  static std::map<std::pair<const void*, int>, size_t> granted;
+  std::lock_guard<std::mutex> guard(lock);
+  size_t& have = granted[{kern, device}];
+  if (smem <= have) return 0;
+  e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    char detail[160];
+    std::snprintf(detail, sizeof detail, "a row needs %zu B of shared memory, more than this GPU allows per block",
+                  smem);
+    return fail(kErrSubstation + 2, name, detail);
+  }
+  have = smem;
+  return 0;
+}
+
 template <typename... KA, typename... A>
 inline int launch(const char* name, void (*kern)(KA...), int64_t grid, int block, size_t smem, Stream stream,
                   A... args) {
   if (grid <= 0) return 0;
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute((const void*)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return fail(kErrSubstation + 2, name, "a row does not fit in shared memory (rows too long for this GPU)");
-    }
-  }
+  SS_CHECK(reserve_smem(name, (const void*)kern, smem));
   kern<<<dim3((unsigned)std::min<int64_t>(grid, INT_MAX)), dim3((unsigned)block), smem, stream>>>(args...);
   const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : cuda_fail(e, name);
+  if (e != cudaSuccess) return cuda_fail(e, name);
+  return debug_check(name, stream);
 }
 
 // ---- cuBLAS ----------------------------------------------------------------------------------
@@ -427,7 +490,9 @@ inline const char* blas_status_name(cublasStatus_t s) {
 inline int blas_fail(cublasStatus_t s, const char* what) { return fail(kErrBlas + (int)s, what, blas_status_name(s)); }
 
 // One cuBLAS handle per device and host thread, created on first use and kept; bound to the
-// caller's stream before every call.
+// caller's stream and given `blas_workspace` (kBlasWorkspace bytes of the call's workspace, on that
+// stream) before every call: cublasSetStream resets the handle to cuBLAS's own pool, which is
+// shared across streams and allocates during CUDA-graph capture.
 inline cublasHandle_t& handle_slot(int device) {
   static thread_local cublasHandle_t handles[256] = {};
   return handles[device & 255];
@@ -438,7 +503,7 @@ struct Ctx {
 };
 inline Ctx& ctx() { static thread_local Ctx c; return c; }
 
-inline int begin(Stream stream) {
+inline int begin(Stream stream, void* blas_workspace) {
   error_buffer()[0] = 0;
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -450,6 +515,8 @@ inline int begin(Stream stream) {
   }
   const cublasStatus_t s = cublasSetStream(h, stream);
   if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, "cublasSetStream");
+  const cublasStatus_t w = cublasSetWorkspace(h, blas_workspace, (size_t)kBlasWorkspace);
+  if (w != CUBLAS_STATUS_SUCCESS) return blas_fail(w, "cublasSetWorkspace");
   ctx().handle = h;
   ctx().stream = stream;
   return 0;
@@ -486,7 +553,7 @@ template <> struct BlasType<double> {
 template <typename X>
 inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* A, int64_t lda,
                    int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
-                   Stream) {
+                   Stream stream) {
   if (m <= 0 || n <= 0 || batch <= 0) return 0;
   if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
     return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
@@ -504,7 +571,9 @@ inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
                                    BlasType<X>::data, (int)ldc, (long long)sc, (int)batch, BlasType<X>::compute,
                                    CUBLAS_GEMM_DEFAULT);
   }
-  return s == CUBLAS_STATUS_SUCCESS ? 0 : blas_fail(s, batch == 1 ? "cublasGemmEx" : "cublasGemmStridedBatchedEx");
+  const char* what = batch == 1 ? "cublasGemmEx" : "cublasGemmStridedBatchedEx";
+  if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, what);
+  return debug_check(what, stream);
 }
 #endif
 

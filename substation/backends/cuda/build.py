@@ -32,14 +32,15 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from ...resources import csrc_dir, csrc_file
 from ...version import __version__
-from ..cpu.build import BuildResult, ToolchainError, cached_build, find_cxx
+from ..cpu.build import BuildError, BuildResult, ToolchainError, cached_build, find_cxx
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
-           "emulation_toolchain", "arch_number"]
+           "emulation_toolchain", "arch_number", "KernelResources", "ptxas_resources"]
 
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([a-z]?)$")
 #: Toolkit folders searched for bin/nvcc after PATH, $CUDA_HOME and $CUDA_PATH.
@@ -288,3 +289,82 @@ def build_cuda_libraries(sources: dict[str, str], arch: str = "sm_90", emulate: 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {name: pool.submit(build_cuda_library, src, name, arch, emulate) for name, src in sources.items()}
         return {name: f.result() for name, f in futures.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one kernel entry (``nvcc -Xptxas -v``).
+
+    Attributes:
+        name: the demangled entry name, e.g. ``k3_MSD<8, true>`` (namespaces and parameters removed).
+        registers: registers per thread.
+        spill_stores, spill_loads: bytes of register spills to local memory per thread.
+        stack_bytes: stack frame in bytes per thread.
+    """
+
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '(\S+)' for 'sm_")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS_RE = re.compile(r"Used (\d+) registers")
+
+
+def _demangle(names: list[str]) -> list[str]:
+    """``k3_MSD<8, true>`` for a mangled kernel entry (the mangled names where c++filt is missing)."""
+    cxxfilt = shutil.which("c++filt")
+    if cxxfilt is None or not names:
+        return names
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    if len(out) != len(names):
+        return names
+    res = []
+    for o in out:
+        o = o.replace("(anonymous namespace)::", "")
+        o = o[len("void "):] if o.startswith("void ") else o
+        res.append(o.split("(")[0])
+    return res
+
+
+def ptxas_resources(source: str, arch: str = "sm_90") -> list[KernelResources]:
+    """Compile generated CUDA ``source`` to an object file for ``arch`` (the flags of
+    :func:`nvcc_flags`, no link, nothing cached) with ``-Xptxas -v`` and return the register and
+    spill usage of every kernel entry, in ptxas's order.
+
+    Raises:
+        ToolchainError: nvcc (CUDA >= 12) or cuBLAS headers missing.
+        BuildError: the compiler failed.
+        ValueError: a malformed ``arch``.
+    """
+    tc = cuda_toolchain()
+    tc.require_cublas()
+    flags = [f for f in nvcc_flags(arch) if f not in ("-shared", "-cudart", "shared") and "code=compute_" not in f]
+    with tempfile.TemporaryDirectory(prefix="substation-ptxas-") as tmp:
+        src = os.path.join(tmp, "source.cu")
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = [tc.nvcc, *flags, "-Xptxas", "-v", f"-I{csrc_dir()}", f"-I{tc.cublas_include}", "-c", src,
+               "-o", os.path.join(tmp, "source.o")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"compiling for ptxas resources failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}")
+    entries: list[list] = []  # [mangled name, registers, spill stores, spill loads, stack]
+    for line in (proc.stdout + proc.stderr).splitlines():
+        m = _ENTRY_RE.search(line)
+        if m:
+            entries.append([m.group(1), 0, 0, 0, 0])
+            continue
+        if not entries:
+            continue
+        m = _FRAME_RE.search(line)
+        if m:
+            entries[-1][2:5] = int(m.group(2)), int(m.group(3)), int(m.group(1))
+        m = _REGS_RE.search(line)
+        if m:
+            entries[-1][1] = int(m.group(1))
+    names = _demangle([e[0] for e in entries])
+    return [KernelResources(n, e[1], e[2], e[3], e[4]) for n, e in zip(names, entries)]

@@ -38,6 +38,9 @@ The generated library exports the CPU ABI plus a stream::
 
 ``args`` are device pointers, one per non-temporary tensor in :attr:`LayerGraph.tensors` order; all
 work is queued on ``stream`` (kernels and cuBLAS); nothing synchronizes with the host.
+``workspace`` (``substation_workspace_bytes`` bytes, 256-byte aligned, used on ``stream`` only) holds the
+cuBLAS workspace (32 MiB, set with ``cublasSetWorkspace`` on every call), the temporaries and the
+column partial sums.
 """
 from __future__ import annotations
 
@@ -50,16 +53,16 @@ from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
+from .launch import RED_SLOTS, WARP_LANES, WARP_ROWS, RowLaunchPlan, check_fits
 
-__all__ = ["generate_cuda", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES", "LayoutError"]
+__all__ = ["generate_cuda", "row_launch_plans", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES",
+           "LayoutError"]
 
 #: Config dtype -> C++ storage type of the generated code.
 STORAGE_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 #: Config dtype -> dtype of the arithmetic (and of normalization statistics).
 COMPUTE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float32", "bfloat16": "float32"}
 _CTYPE = {"float32": "float", "float64": "double"}
-
-
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
     """Dtype name of every tensor of ``graph`` in a CUDA build: the config's dtype, except normalization
     statistics (:func:`~substation.backends.common.stat_tensors`), which have the compute dtype (float32 for
@@ -133,6 +136,7 @@ class _RowKernel(RowEmitter):
         self.produced: dict[str, int] = {}   # tensor -> loop that produced it (in-kernel)
         self.reads: dict[str, set] = {}      # tensor -> loops that read it
         self.loaded: set[str] = set()        # cached memory tensors already in their buffer
+        self.reduces = False                 # whether a sweep reduces rows (needs the `red_` slots)
         self.begin_members()
 
     def open_loop(self) -> _Loop:
@@ -221,6 +225,7 @@ class _RowKernel(RowEmitter):
             if self._buffered(t):
                 lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
         if sweep.reductions:  # each thread holds a partial result: combine them across the row's group
+            self.reduces = True
             self._close()
             for acc, op in sweep.reductions:
                 self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_);")
@@ -272,15 +277,41 @@ class _RowKernel(RowEmitter):
     def nn(self) -> str:
         return " * ".join(dim_size(c) for c in self.N)
 
+    def _prepare(self) -> None:
+        """Emit the kernel body twice: a dry run finds which tensors need row buffers, the second
+        run uses them."""
+        if getattr(self, "_rows", None) is None:
+            self._emit_rows(None)
+            self.buffers = self._make_plan()["buffers"]
+            self._rows = self._emit_rows({"buffers": self.buffers})
+
+    def launch_plan(self) -> RowLaunchPlan:
+        """The shared memory this kernel's launches need at the config's sizes (mirrors
+        ``sscuda::row_cfg``: warp mode for rows of at most 64 vectors, 4 rows per block)."""
+        self._prepare()
+        cfg = self.graph.config
+        sizes = cfg.sizes()
+        nn = 1
+        for c in self.N:
+            nn *= int(sympy.sympify(dim_symbol(c)).subs({sympy.Symbol(k): v for k, v in sizes.items()}))
+        nslots = len(self.buffers) + len(self.model.column_outputs)
+        csize = 8 if COMPUTE_DTYPES[cfg.dtype] == "float64" else 4
+        widths = [1] + ([16 // cfg.itemsize] if self.vector_possible and nn % (16 // cfg.itemsize) == 0 else [])
+        worst = 0
+        for v in widths:
+            rpb = WARP_ROWS if nn // v <= 2 * WARP_LANES else 1
+            worst = max(worst, rpb * nslots * nn + (RED_SLOTS if self.reduces else 0))
+        return RowLaunchPlan(self.name, tuple(m["name"] for m in self.model.members), nn, nslots, self.reduces,
+                             worst * csize)
+
     def generate(self) -> tuple[list[str], list[str], str]:
         """(kernel definitions, launch statements for ``substation_run``, workspace bytes expression
         of the column partial sums or "0")."""
-        self._emit_rows(None)
-        plan = self._make_plan()
-        rows = self._emit_rows(plan)
-        buffers = plan["buffers"]
+        self._prepare()
+        rows, buffers = self._rows, self.buffers
         ncol = len(self.model.column_outputs)
         nslots = len(buffers) + ncol
+        red = RED_SLOTS if self.reduces else 0
         k = self.name
         params = [f"{'' if w else 'const '}{self.gen.ctype(t)}* __restrict__ {t}" for t, _, w in self.params]
         if ncol:
@@ -290,7 +321,7 @@ class _RowKernel(RowEmitter):
         src = [f"// {k}: rows {''.join(self.R) or '-'} x inner {''.join(self.N)}; members: "
                + ", ".join(f"{m['name']} ({m['kind']})" for m in self.model.members),
                "template <int V, bool WARP>",
-               f"SS_KERNEL void {k}({', '.join(params)}) {{",
+               f"SS_KERNEL(sscuda::row_block_max<WARP>()) void {k}({', '.join(params)}) {{",
                "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
                f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()}, nvec_ = nn_ / V;",
                "  const int G_ = WARP ? sscuda::kWarp : (int)SS_BDIM;",
@@ -299,7 +330,7 @@ class _RowKernel(RowEmitter):
                "  const int tid_ = WARP ? (int)SS_TID % sscuda::kWarp : (int)SS_TID;",
                "  SS_SMEM(comp_t, smem_);",
                "  comp_t* red_ = smem_; (void)red_;",
-               f"  comp_t* row_mem_ = smem_ + 32 + (int64_t)grp_ * {max(nslots, 1)} * nn_; (void)row_mem_;"]
+               f"  comp_t* row_mem_ = smem_ + {red} + (int64_t)grp_ * {nslots} * nn_; (void)row_mem_;"]
         for q, t in enumerate(buffers):
             src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
         for q, (t, _) in enumerate(self.model.column_outputs):
@@ -328,7 +359,7 @@ class _RowKernel(RowEmitter):
         # The second pass of the column reductions: columns x slot groups per block, each thread adds
         # a fixed subset of slots in order, then one thread per column adds the groups in order.
         for q, (t, a) in enumerate(self.model.column_outputs):
-            src += [f"SS_KERNEL void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
+            src += [f"SS_KERNEL(sscuda::kColBlock) void {k}_sum{q}(const comp_t* __restrict__ part_, {self.gen.ctype(t)}* __restrict__ {t}, "
                     "const int64_t slots_, const int64_t B, const int64_t J, const int64_t K) {",
                     "  (void)B; (void)J; (void)K;",
                     f"  const int64_t nn_ = {self.nn()};",
@@ -363,19 +394,19 @@ class _RowKernel(RowEmitter):
         launch = [f"{{  // {k}",
                   f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()};",
                   f"  const bool vec_ = {vec};",
-                  f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {max(nslots, 1)}, {col}, sizeof(comp_t));",
+                  f"  const sscuda::RowCfg cfg_ = sscuda::row_cfg(nrows_, nn_, vec_ ? VMAX : 1, {nslots}, {red}, {col}, sizeof(comp_t));",
                   f"  auto kern_ = {pick};",
                   f"  SS_CHECK(sscuda::launch(\"{k}\", kern_, cfg_.grid, cfg_.block, cfg_.smem, stream_, {args}));"]
         for q, (t, _) in enumerate(self.model.column_outputs):
             launch.append(f"  SS_CHECK(sscuda::launch(\"{k}_sum{q}\", &{k}_sum{q}, "
                           f"std::min<int64_t>((nn_ + sscuda::kColX - 1) / sscuda::kColX, 65535), "
-                          f"sscuda::kColX * sscuda::kColY, sizeof(double) * sscuda::kColX * sscuda::kColY, "
+                          f"sscuda::kColBlock, sizeof(double) * sscuda::kColBlock, "
                           f"stream_, part_, {t}, cfg_.partial_slots, B, J, K));")
         launch.append("}")
         ws = "0"
         if ncol:
             vs = ["1"] + (["VMAX"] if self.vector_possible else [])
-            terms = [f"sscuda::row_cfg({self.nrows()}, {self.nn()}, {v}, {max(nslots, 1)}, true, sizeof(comp_t))"
+            terms = [f"sscuda::row_cfg({self.nrows()}, {self.nn()}, {v}, {nslots}, {red}, true, sizeof(comp_t))"
                      f".partial_slots" for v in vs]
             slots = terms[0] if len(terms) == 1 else f"std::max({terms[0]}, {terms[1]})"
             ws = f"(int64_t)sizeof(comp_t) * {ncol} * ({self.nn()}) * {slots}"
@@ -465,6 +496,23 @@ def _numel(dims: str) -> str:
     return " * ".join(dim_size(d) for d in dims)
 
 
+def row_launch_plans(graph: LayerGraph) -> list[RowLaunchPlan]:
+    """The shared memory of every row kernel :func:`generate_cuda` makes from ``graph``, in operator
+    order, at the config's sizes (J = K = ``max_seq_len``).
+
+    Raises:
+        RowTooLongError (substation.backends.cuda.launch): as :func:`generate_cuda`.
+    """
+    gen = _Generator(graph)
+    plans = []
+    for n, op in enumerate(graph.operators()):
+        if op.kind != "contraction":
+            plan = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label)).launch_plan()
+            check_fits(graph.config, plan)
+            plans.append(plan)
+    return plans
+
+
 def generate_cuda(graph: LayerGraph) -> str:
     """CUDA C++ source of ``graph`` (see the module docstring for the exported ABI).
 
@@ -475,6 +523,9 @@ def generate_cuda(graph: LayerGraph) -> str:
 
     Raises:
         LayoutError: a contraction's operand layouts need an explicit transpose.
+        RowTooLongError: a row kernel's rows at the config's sizes (J = K = ``max_seq_len``) need more
+            shared memory than a block has on ``cuda_arch`` (the message names the kernel and the bytes;
+            longer sequences than ``max_seq_len`` are checked at launch).
         ValueError: the config's dtype has no CUDA storage type.
     """
     cfg = graph.config
@@ -492,6 +543,7 @@ def generate_cuda(graph: LayerGraph) -> str:
             body.append("}")
             continue
         rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
+        check_fits(graph.config, rk.launch_plan())
         src, launch, ws = rk.generate()
         kernels += src
         body += launch
@@ -529,7 +581,7 @@ def generate_cuda(graph: LayerGraph) -> str:
         "",
         'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
-        "  int64_t total = 0;",
+        "  int64_t total = sscuda::align_up(sscuda::kBlasWorkspace);",
         *(f"  total += sscuda::align_up((int64_t){item[gen.ctype(t.name)]} * {_numel(t.dims)});" for t in temps),
         "  total += sscuda::align_up(partial_bytes(B, J, K));",
         "  return total;",
@@ -540,11 +592,11 @@ def generate_cuda(graph: LayerGraph) -> str:
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)seed; (void)training;",
         "  const sscuda::Stream stream_ = (sscuda::Stream)stream;",
-        "  SS_CHECK(sscuda::begin(stream_));",
         *(f"  {gen.ctype(t.name)}* {t.name} = static_cast<{gen.ctype(t.name)}*>(args[{i}]);"
           for i, t in enumerate(args)),
         "  char* ws_ = static_cast<char*>(workspace);",
-        "  (void)ws_;",
+        "  SS_CHECK(sscuda::begin(stream_, ws_));  // the cuBLAS workspace comes first",
+        "  ws_ += sscuda::align_up(sscuda::kBlasWorkspace);",
     ]
     for t in temps:
         ct = gen.ctype(t.name)
