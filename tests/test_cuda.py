@@ -475,7 +475,7 @@ def test_launcher_debug_mode_and_shared_memory_attribute():
 def test_inference_build_writes_no_dropout_copy():
     """The eval-mode forward is the inference build: softmax writes A only (no A_drop, nothing saved)."""
     cfg = load_config("bert-large-b8-l512").replace(target="cuda", dtype="float16")
-    fwd, bwd = compile_graphs(cfg, fuse_ops=True, mode="inference")
+    fwd, bwd = compile_graphs(cfg, fuse_ops=True, mode="eval")
     src = generate_cuda(fwd)
     assert bwd is None and "A_drop" not in src and "random_bits" not in src.replace("sscuda::", "").split("namespace {")[1]
     assert re.search(r"// k\d+_MS: rows .* members: mask \(mask\), softmax \(softmax\)", src)
