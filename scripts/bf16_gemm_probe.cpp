@@ -225,11 +225,17 @@ void time_calls(const ProbeSpec& sp, ProbeResult* r, F call) {
   r->median_s = ts.size() % 2 ? ts[ts.size() / 2] : 0.5 * (ts[ts.size() / 2 - 1] + ts[ts.size() / 2]);
 }
 
+// 2-D for one GEMM; 3-D when the two batch dimensions of every operand collapse into one (batch stride
+// s[1], s[0] == b1 * s[1]); else 4-D (all operands of one matmul need the same number of dimensions)
+bool collapses(const ProbeSpec& sp) {
+  for (const long* s : {sp.as, sp.bs, sp.cs})
+    if (s[0] != sp.b1 * s[1]) return false;
+  return true;
+}
 dnnl::memory::desc md_of(const ProbeSpec& sp, const long s[4], long rows, long cols, dnnl::memory::data_type dt) {
   using dims = dnnl::memory::dims;
   if (sp.b0 * sp.b1 == 1) return dnnl::memory::desc(dims{rows, cols}, dt, dims{s[2], s[3]});
-  if (s[0] == sp.b1 * s[1])  // the two batch dimensions collapse into one: a 3-D problem
-    return dnnl::memory::desc(dims{sp.b0 * sp.b1, rows, cols}, dt, dims{s[1], s[2], s[3]});
+  if (collapses(sp)) return dnnl::memory::desc(dims{sp.b0 * sp.b1, rows, cols}, dt, dims{s[1], s[2], s[3]});
   return dnnl::memory::desc(dims{sp.b0, sp.b1, rows, cols}, dt, dims{s[0], s[1], s[2], s[3]});
 }
 

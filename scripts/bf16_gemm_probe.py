@@ -25,7 +25,8 @@ backward data (dX = dY W) and weight gradient (dW = dY^T X, float32 out), with b
 epilogues on the forward ones; the per-head attention products (S = Q K^T, O = P V and the four of
 their backward) as one batch of B*H GEMMs, both on contiguous head-major tensors ("attn") and on
 per-head views into the token-major tensors the token-wise GEMMs write ("attn-view": Q, K, V in the
-[M, 3*I] output of the QKV projection, O and dO in [M, I]). Checks every result against a float32
+[M, 3*I] output of the QKV projection, O and dO in [M, I]; "attn-bjhp": Q, K, V, O, dO each in its own
+[M, I] = [B, J, H, P] tensor). Checks every result against a float32
 SGEMM of the same bf16 values (``max_rel_err``).
 """
 from __future__ import annotations
@@ -141,6 +142,9 @@ def cases(batch: int, seq: int, hidden: int, ff: int, heads: int) -> list[dict]:
         extra = [_variant("onednn", "f32", "scale"), _variant("mkl_bf16", epi="scale")] if name.startswith("S=") else []
         add("attn", f"attn {name} {nb}{m}x{n}x{k}", m, n, k, da, db, dc, att_variants + extra, b0=batch, b1=H)
         add("attn-view", f"attn-view {name} {nb}{m}x{n}x{k}", m, n, k, va, vb, vc, att_variants, b0=batch, b1=H)
+        # the same with Q, K, V, O in separate token-major [B, J, H, P] tensors (row stride I, not 3*I)
+        sep = [view(I, s[2] == 1) if s[1] == P else s for s in (va, vb, vc)]
+        add("attn-bjhp", f"attn-bjhp {name} {nb}{m}x{n}x{k}", m, n, k, *sep, att_variants, b0=batch, b1=H)
     return out
 
 
@@ -445,6 +449,21 @@ def print_table(all_cases: list[dict], summary: dict, isas: list[str]) -> None:
             print(row + "   " + note)
 
 
+def print_markdown(all_cases: list[dict], summary: dict, isas: list[str]) -> None:
+    """One row per case: median TFLOP/s per ISA (``*``: fewer than 3 clean rounds)."""
+    print("| shape | variant | " + " | ".join(isas) + " | implementation |")
+    print("|---|---|" + "---:|" * len(isas) + "---|")
+    for c in all_cases:
+        cells = []
+        for isa in isas:
+            s = summary[isa].get(c["id"], {})
+            t = s.get("tflops_median")
+            cells.append(f"{t:.2f}" + ("*" if s.get("disturbed") else "") if t else "n/a")
+        s0 = summary[isas[0]].get(c["id"], {})
+        impl = " / ".join(dict.fromkeys(summary[i].get(c["id"], {}).get("impl", "") for i in isas)) or s0.get("msg", "")
+        print(f"| {c['shape']} | {c['variant']} | " + " | ".join(cells) + f" | {impl} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5, help="clean rounds wanted per ISA (see --max-foreign)")
@@ -470,6 +489,8 @@ def main() -> None:
     ap.add_argument("--onednn-root", default=None)
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build", "bf16_gemm_probe"))
     ap.add_argument("--json", default="bf16_gemm_probe.json")
+    ap.add_argument("--from-json", metavar="PATH", help="print the table of an earlier run's JSON; measure nothing")
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown (median TFLOP/s)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
@@ -479,6 +500,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.from_json:
+        with open(args.from_json) as f:
+            report = json.load(f)
+        isas = [k for k in report["isa_env"]]
+        shown = cases(**report["problem"])
+        if args.only:
+            shown = [c for c in shown if re.search(args.only, c["id"])]
+        shown = [c for c in shown if any(c["id"] in report["summary"].get(i, {}) for i in isas)]
+        (print_markdown if args.markdown else print_table)(shown, report["summary"], isas)
+        return None
     if args.quick:
         args.rounds, args.max_rounds, args.min_iters, args.max_iters, args.min_time = 1, 1, 3, 3, 0.0
         args.quiet_wait = 0
