@@ -502,13 +502,14 @@ def main() -> None:
         return child(args)
     if args.from_json:
         with open(args.from_json) as f:
-            report = json.load(f)
-        isas = [k for k in report["isa_env"]]
-        shown = cases(**report["problem"])
-        if args.only:
-            shown = [c for c in shown if re.search(args.only, c["id"])]
-        shown = [c for c in shown if any(c["id"] in report["summary"].get(i, {}) for i in isas)]
-        (print_markdown if args.markdown else print_table)(shown, report["summary"], isas)
+            data = json.load(f)
+        for report in data.get("runs", [data]):  # a run's JSON, or several runs' summaries (docs/data/)
+            isas = [k for k in report["isa_env"]]
+            shown = cases(**report["problem"])
+            if args.only:
+                shown = [c for c in shown if re.search(args.only, c["id"])]
+            shown = [c for c in shown if any(c["id"] in report["summary"].get(i, {}) for i in isas)]
+            (print_markdown if args.markdown else print_table)(shown, report["summary"], isas)
         return None
     if args.quick:
         args.rounds, args.max_rounds, args.min_iters, args.max_iters, args.min_time = 1, 1, 3, 3, 0.0
