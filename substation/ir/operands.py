@@ -139,6 +139,20 @@ def _group(op: Operand, letters: list[str], what: str, ref_order=None):
     return order, size, op.strides[order[-1]]
 
 
+def _transposition(op: Operand, row_stride, col_stride, label: str) -> tuple[bool, object]:
+    """(transposed, leading dimension) of a GEMM operand whose matrix has ``row_stride`` and
+    ``col_stride``: row-major when its columns are contiguous, transposed when its rows are.
+
+    Raises:
+        LayoutError: neither is contiguous.
+    """
+    if col_stride == 1:
+        return False, row_stride
+    if row_stride == 1:
+        return True, col_stride
+    raise LayoutError(f"{label}: operand {op.name} has no unit-stride GEMM dimension")
+
+
 def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> ContractionPlan:
     """Map ``c = einsum(a, b)`` onto a GEMM, swapping or transposing operands as the strides require.
 
@@ -164,18 +178,8 @@ def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> Contract
             raise LayoutError(f"{label}: output {c.name} has no unit-stride GEMM dimension")
         # C^T = B^T A^T: swap the roles of A and B.
         a, b, am, ak, bk, bn, cm, cn, msize, nsize = b, a, bn, bk, ak, am, cn, cm, nsize, msize
-    if ak == 1:
-        trans_a, lda = False, am
-    elif am == 1:
-        trans_a, lda = True, ak
-    else:
-        raise LayoutError(f"{label}: operand {a.name} has no unit-stride GEMM dimension")
-    if bn == 1:
-        trans_b, ldb = False, bk
-    elif bk == 1:
-        trans_b, ldb = True, bn
-    else:
-        raise LayoutError(f"{label}: operand {b.name} has no unit-stride GEMM dimension")
+    trans_a, lda = _transposition(a, am, ak, label)
+    trans_b, ldb = _transposition(b, bk, bn, label)
     batch_info = [(x, a.strides[x], b.strides[x], c.strides[x]) for x in stride_order(c.strides, batch)]
     return ContractionPlan(a, b, c, trans_a, trans_b, msize, nsize, ksize, lda, ldb, cm,
                            batch_info)
