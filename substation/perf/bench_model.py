@@ -40,7 +40,7 @@ from ..files import atomic_write
 from .baselines import padded_positions
 from .bench_report import pyplot
 from .probes import machine_info
-from .timing import fresh_inductor_cache, sample_stats, set_substation_threads
+from .timing import fresh_inductor_cache, interleaved_rounds, sample_stats, set_substation_threads
 
 __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "build_model", "make_batch",
            "train_step", "peak_step_bytes", "run_bench_model", "format_bench_model", "plot_bench_model"]
@@ -355,20 +355,8 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
         if not info[n]["compiled"]:
             for _ in range(warmup):
                 train_step(*runs[n], inputs)
-    times = {n: {p: [] for p in PHASES} for n in names}
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for r in range(rounds):
-            for k in range(len(names)):
-                n = names[(r + k) % len(names)]
-                parts = train_step(*runs[n], inputs)
-                for p, s in zip(PHASES, (*parts, sum(parts))):
-                    times[n][p].append(s)
-    finally:
-        if was_enabled:
-            gc.enable()
+    steps = interleaved_rounds({n: (lambda n=n: train_step(*runs[n], inputs)) for n in names}, rounds)
+    times = {n: {p: [(*parts, sum(parts))[i] for parts in steps[n]] for i, p in enumerate(PHASES)} for n in names}
 
     say(f"{head}: peak memory of one step per variant (torch.profiler)")
     variants = {}

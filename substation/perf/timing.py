@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
-__all__ = ["PASSES", "Candidate", "env_var", "fresh_inductor_cache", "interleaved_times", "sample_stats",
+__all__ = ["PASSES", "Candidate", "env_var", "fresh_inductor_cache", "interleaved_rounds", "interleaved_times", "sample_stats",
            "saved_tensor_bytes", "set_substation_threads", "time_step"]
 
 #: The timed passes of a training step, in order (``forward_backward`` is one step's forward plus its backward).
@@ -101,21 +101,32 @@ def interleaved_times(candidates: Iterable[Candidate], x, dy, repeats: int, warm
     cands = list(candidates)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    out = {c.name: {p: [] for p in PASSES} for c in cands}
     for _ in range(warmup):
         for c in cands:
             time_step(c, x, dy)
+    steps = interleaved_rounds({c.name: (lambda c=c: time_step(c, x, dy)) for c in cands}, repeats)
+    return {name: {"forward": [f for f, _ in parts], "backward": [b for _, b in parts],
+                   "forward_backward": [f + b for f, b in parts]} for name, parts in steps.items()}
+
+
+def interleaved_rounds(steps: dict[str, Callable[[], tuple]], rounds: int) -> dict[str, list[tuple]]:
+    """Run ``rounds`` rounds of one call of every step (name -> a callable returning its measured
+    parts, e.g. seconds), the starting step rotating every round so none always runs first, with
+    Python's garbage collector paused (collected once before).
+
+    Returns:
+        name -> the parts of each round's call, in round order.
+    """
+    names = list(steps)
+    out: dict[str, list[tuple]] = {n: [] for n in names}
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for r in range(repeats):
-            for k in range(len(cands)):
-                c = cands[(r + k) % len(cands)]
-                f, b = time_step(c, x, dy)
-                out[c.name]["forward"].append(f)
-                out[c.name]["backward"].append(b)
-                out[c.name]["forward_backward"].append(f + b)
+        for r in range(rounds):
+            for k in range(len(names)):
+                n = names[(r + k) % len(names)]
+                out[n].append(steps[n]())
     finally:
         if was_enabled:
             gc.enable()
