@@ -22,7 +22,8 @@ __all__ = ["ConfigError", "DropoutConfig", "EncoderConfig", "load_config"]
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 LAYER_NORM_PLACEMENTS = ("post", "pre")
 NORM_TYPES = ("layer_norm", "rms_norm")
-DTYPES = ("float32", "float64")
+#: dtypes of target ``cpu`` (bfloat16: mixed precision on AVX512-BF16 / AMX; see docs/usage.md).
+DTYPES = ("float32", "float64", "bfloat16")
 #: dtypes of target ``cuda`` (half precision computes in float32; see docs/cuda.md).
 CUDA_DTYPES = ("float32", "float64", "float16", "bfloat16")
 MASKS = ("none", "padding", "causal")
@@ -130,8 +131,10 @@ class EncoderConfig:
         dropout: the three dropout probabilities.
         layer_norm_eps: epsilon added to the variance (``rms_norm``: to the mean square), > 0 and finite
             (any size, as ``nn.LayerNorm``).
-        dtype: ``float32`` or ``float64``; with target ``cuda`` also ``float16`` or ``bfloat16``.
-            Parameters, activations and gradients all use it (normalization statistics excepted).
+        dtype: ``float32``, ``float64`` or ``bfloat16``; with target ``cuda`` also ``float16``.
+            Parameters, activations and gradients all use it (normalization statistics excepted);
+            a ``bfloat16`` CPU build is mixed precision (float32 arithmetic, statistics and parameter
+            gradients; bf16 activations and GEMM operands) and needs AVX512-BF16.
         mask: ``none`` (no mask input), ``padding`` (additive or boolean key mask [B, K]) or
             ``causal`` (key k > query j masked, plus an optional padding mask).
         target: code-generation target, ``cpu`` or ``cuda`` (NVIDIA GPUs, see docs/cuda.md).
@@ -172,7 +175,7 @@ class EncoderConfig:
         _choice("target", self.target, TARGETS)
         allowed = CUDA_DTYPES if self.target == "cuda" else DTYPES
         if not isinstance(self.dtype, str) or self.dtype not in allowed:
-            hint = " (float16 and bfloat16 need target: cuda)" if self.dtype in CUDA_DTYPES else ""
+            hint = " (float16 needs target: cuda)" if self.dtype in CUDA_DTYPES else ""
             raise ConfigError(f"dtype: must be one of {', '.join(allowed)} for target {self.target}{hint}; "
                               f"got {self.dtype!r}")
         _choice("mask", self.mask, MASKS)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .backends.cpu.build import build_libraries
+from .backends.cpu.build import build_libraries, require_bf16_isa
 from .backends.cpu.codegen import generate_cpu
 from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
@@ -161,6 +161,8 @@ def _codegen(state: PipelineState) -> None:
             raise ValueError("instrument=True (per-operator timers) is CPU-only; use a CUDA profiler for target cuda")
         state.sources = {p: generate_cuda(g) for p, g in _graphs(state).items()}
     else:
+        if state.config.dtype == "bfloat16":
+            require_bf16_isa()
         state.sources = {p: generate_cpu(g, state.options.instrument) for p, g in _graphs(state).items()}
 
 
@@ -168,7 +170,7 @@ def _build(state: PipelineState) -> None:
     if state.config.target == "cuda":
         state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
     else:
-        state.built = build_libraries(state.sources)
+        state.built = build_libraries(state.sources, with_onednn=state.config.dtype == "bfloat16")
 
 
 def _load(state: PipelineState) -> None:
@@ -179,7 +181,10 @@ def _load(state: PipelineState) -> None:
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
-                                          mode="eval"))
+                                          mode="eval"),
+        autocast_build=functools.partial(cached_compile, state.config.replace(dtype="bfloat16"), fuse=opts.fuse,
+                                         layout=opts.layout, instrument=opts.instrument, mode=opts.mode)
+        if state.config.target == "cpu" and state.config.dtype == "float32" else None)
 
 
 _GRAPHS = frozenset({"forward", "backward"})

@@ -164,8 +164,8 @@ def test_dtype_change_switches_the_build(tiny_nodrop):
     assert layer.float() is layer and layer.compiled.config.dtype == "float32" and layer.torch_dtype == torch.float32
     with torch.no_grad():
         assert float((layer(x.float()).double() - want).abs().max() / want.abs().max()) < 1e-5
-    with pytest.raises(TypeError, match="target cpu compiles float32, float64 layers; converting them to torch.bfloat16"):
-        layer.bfloat16()
+    with pytest.raises(TypeError, match="target cpu compiles float32, float64, bfloat16 layers; converting them to torch.float16"):
+        layer.half()
     assert layer.in_proj_weight.dtype == torch.float32
 
 

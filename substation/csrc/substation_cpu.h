@@ -314,6 +314,17 @@ static inline void gemm_small(bool trans_a, bool trans_b, int64_t m, int64_t n, 
 }
 #endif
 
+// bfloat16 storage (the top half of a float32): tensors of bfloat16 builds are loaded into float and
+// stored back rounded to nearest even, as PyTorch's c10::BFloat16 does; NaN stays a (quiet) NaN.
+// Integer arithmetic only, so `omp simd` loops vectorize it on any AVX-512 CPU.
+typedef uint16_t bf16_t;
+static inline float bf16_to_float(bf16_t h) { return __builtin_bit_cast(float, (uint32_t)h << 16); }
+static inline bf16_t float_to_bf16(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (bf16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
+}
+
 static inline int64_t align_up(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 }  // namespace ss

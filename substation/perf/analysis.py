@@ -4,7 +4,9 @@ Every operator of a :class:`~substation.ir.graph.LayerGraph` is counted from the
 
 * **bytes read / written**: for every connector of the operator, the elements its access string
   touches (the product of the sizes of its letters; a digit, a fixed index, contributes 1) times the
-  itemsize of the config's dtype (4 or 8 bytes). Each connector counts once per operator: no cache
+  itemsize of that tensor's dtype in the build (:func:`~substation.runtime.graph_tensor_dtypes`: the
+  config's dtype, 8, 4 or 2 bytes; float64 statistics of float32 CPU builds; float32 statistics and
+  parameter gradients of bfloat16 builds). Each connector counts once per operator: no cache
   reuse across operators, full reuse inside one. A tensor read through two connectors (``QKV[BJ0HP]``
   and ``QKV[BK1HP]`` in ``scores``) counts both slices.
 * **flop**: a contraction does ``2 x`` the product of the sizes of every distinct letter of its
@@ -35,6 +37,7 @@ from ..config import EncoderConfig, load_config
 from ..ir.graph import OP_CLASSES, LayerGraph, Operator
 from ..ops import op_kind
 from ..ops.kind import elements
+from ..runtime.library import ITEMSIZES, graph_tensor_dtypes
 
 __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
@@ -186,21 +189,21 @@ def operator_count(graph: LayerGraph, op: Operator, sizes: Mapping[str, int] | N
         ValueError: a kind without a flop rule.
     """
     cfg = graph.config
-    item = cfg.itemsize
+    item = {t: ITEMSIZES[d] for t, d in graph_tensor_dtypes(graph).items()}
     sizes = dict(sizes or cfg.sizes())
     ins, outs = graph.inputs_of(op), graph.outputs_of(op)
     attrs = op.attrs
     num, sym = _sizer(sizes), _sizer(None)
-    read_e = sum((access_elements(a, sym) for _, a in ins.values()), sympy.Integer(0))
-    written_e = sum((access_elements(a, sym) for _, a in outs.values()), sympy.Integer(0))
+
+    def nbytes(operands, sizer):
+        return sum((item[t] * access_elements(a, sizer) for t, a in operands.values()), sympy.Integer(0))
     members = tuple(m.get("name", "?") for m in attrs.get("ops", ())) if op.kind == "fused" else ()
     return OperatorCount(
         name=op.label, phase=graph.phase, op_class=op.op_class, kind=op.kind,
         flop_expr=sympy.expand(kind_flop(op.kind, attrs, ins, outs, sym)),
-        read_expr=sympy.expand(item * read_e), written_expr=sympy.expand(item * written_e),
+        read_expr=sympy.expand(nbytes(ins, sym)), written_expr=sympy.expand(nbytes(outs, sym)),
         flop=int(kind_flop(op.kind, attrs, ins, outs, num)),
-        bytes_read=item * sum(int(access_elements(a, num)) for _, a in ins.values()),
-        bytes_written=item * sum(int(access_elements(a, num)) for _, a in outs.values()),
+        bytes_read=int(nbytes(ins, num)), bytes_written=int(nbytes(outs, num)),
         members=members)
 
 

@@ -55,12 +55,17 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
     if forward_only:  # no gradient needed, no dropout: the inference build writes Y alone
         compiled = compiled.forward_only()
     b, j, _ = x.shape
-    given = {"X": x, **dict(zip(parameter_names(compiled.config), params))}
+    names = parameter_names(compiled.config)
+    # float32 master weights of a half-precision build: cast once per call, kept for backward
+    casts = {n: p.to(compiled.forward.dtypes[n]) for n, p in zip(names, params) if p.dtype != compiled.forward.dtypes[n]}
+    given = {"X": x, **dict(zip(names, params)), **casts}
     if compiled.config.mask != "none":
         m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
         given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
     out = compiled.forward(given, b, j, int(seed.item()), training)
-    return [out[n] for n in compiled.produced_names]
+    if forward_only:
+        return [out["Y"]]
+    return [out[n] for n in compiled.produced_names] + [casts[n] for n in names if n in casts]
 
 
 @_layer_forward.register_fake
@@ -70,7 +75,10 @@ def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training,
         return [x.new_empty(x.shape, dtype=compiled.forward.dtypes["Y"])]
     sizes = compiled.config.sizes(x.shape[0], x.shape[1])
     info = {t.name: t for t in compiled.forward.produced}
-    return [x.new_empty(info[n].shape(sizes), dtype=compiled.forward.dtypes[n]) for n in compiled.produced_names]
+    dtypes = compiled.forward.dtypes
+    casts = [p.new_empty(p.shape, dtype=dtypes[n]) for n, p in zip(parameter_names(compiled.config), params)
+             if p.dtype != dtypes[n]]
+    return [x.new_empty(info[n].shape(sizes), dtype=dtypes[n]) for n in compiled.produced_names] + casts
 
 
 @torch.library.custom_op("substation::layer_backward", mutates_args=())
@@ -99,7 +107,11 @@ def _layer_setup_context(ctx, inputs, output):
     if forward_only:
         return
     compiled = registered_layer(key)
-    env = {"X": x, **dict(zip(parameter_names(compiled.config), params)), **dict(zip(compiled.produced_names, output))}
+    names = parameter_names(compiled.config)
+    produced = compiled.produced_names
+    cast_names = [n for n, p in zip(names, params) if p.dtype != compiled.forward.dtypes[n]]
+    env = {"X": x, **dict(zip(names, params)), **dict(zip(produced, output)),
+           **dict(zip(cast_names, output[len(produced):]))}
     ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
     ctx.key, ctx.training = key, training
     ctx.shapes = (x.shape, [p.shape for p in params], x.dtype)
@@ -124,10 +136,16 @@ torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_
 def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
     """Whether a layer of ``dtype`` casts float32 inputs and parameters to its dtype: autocast is
     enabled for ``device_type`` and the layer is float16 or bfloat16 (it always computes in its
-    compiled dtype; a float32 or float64 layer ignores autocast)."""
+    compiled dtype)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     return bool(torch.is_autocast_enabled(device_type))
+
+
+@torch.compiler.disable
+def _autocast_build(compiled: CompiledLayer) -> CompiledLayer:
+    # Outside any torch.compile graph: the first call compiles (or loads) the build.
+    return compiled.for_autocast()
 
 
 def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
@@ -174,14 +192,23 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     nor a parameter requires grad) and draws no dropout runs the forward-only inference build
     (:meth:`~substation.runtime.CompiledLayer.forward_only`: nothing saved, no dropout kernels).
 
+    Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a float32 CPU layer runs its bfloat16 build
+    (:meth:`~substation.runtime.CompiledLayer.for_autocast`); a half-precision layer under autocast takes
+    float32 inputs and float32 (master) parameters, cast inside the operator once per call (the copies
+    are kept for backward; parameter gradients reach the float32 parameters), and then returns float32
+    as PyTorch's own layer does under autocast.
+
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
         ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
             sequence, the wrong number of parameters, parameters on the meta device (not yet loaded), or a
             bad mask (see :func:`check_mask`).
     """
-    config = compiled.config
     x = hidden_states
+    if (compiled.autocast_build is not None and compiled.forward.device_type == "cpu"
+            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+        compiled = _autocast_build(compiled)
+    config = compiled.config
     dtype = compiled.forward.dtype
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
@@ -199,8 +226,6 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         x = x.to(dtype)
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
-    if cast:
-        params = [p.to(dtype) if p.dtype == torch.float32 else p for p in params]
     names = parameter_names(config)
     if len(params) != len(names):
         raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
@@ -208,7 +233,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         if p.is_meta:
             raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
                              f"before running the layer")
-        if p.dtype != dtype or p.device.type != device_type or (device_type != "cpu" and p.device != x.device):
+        master = cast and p.dtype == torch.float32  # cast inside the operator, once per call
+        if (p.dtype != dtype and not master) or p.device.type != device_type \
+                or (device_type != "cpu" and p.device != x.device):
             raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
                             f"{dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
     b, j, _ = x.shape
@@ -229,4 +256,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
                              [p if p.is_contiguous() else p.contiguous() for p in params], seed, training,
                              not needs_grad and not training)
+    # Under autocast with float32 (master) parameters, the output is float32 as PyTorch's layer gives
+    # it (autocast runs layer norm in float32).
+    if cast and params and all(p.dtype == torch.float32 for p in params):
+        return outputs[0].float()
     return outputs[0]

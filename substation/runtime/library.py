@@ -7,23 +7,36 @@ import ctypes
 import dataclasses
 import os
 import threading
+import warnings
 from typing import Callable
 
 import torch
 
+from ..backends.cpu.build import ToolchainError
 from ..backends.cpu.codegen import tensor_dtypes as cpu_tensor_dtypes
 from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
 from ..config import EncoderConfig
 from ..ir.graph import LayerGraph, TensorInfo, parameters
 
-__all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
+__all__ = ["ALL_TORCH_DTYPES", "ITEMSIZES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
            "keep_freed_memory", "parameter_names", "register_layer", "registered_layer"]
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-#: Every config dtype, including target cuda's half precisions (TORCH_DTYPES: the CPU's).
-ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+#: Every config dtype, including target cuda's float16 (TORCH_DTYPES: the CPU's).
+ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16}
 #: torch dtype -> config dtype name.
 DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
+
+
+#: Bytes per element of each dtype name.
+ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def graph_tensor_dtypes(graph: LayerGraph, target: str | None = None) -> dict[str, str]:
+    """Tensor name -> dtype name of every tensor of ``graph`` as the build for ``target`` (default: the
+    config's; ``cuda-emulated`` counts as ``cuda``) stores it: the back end's ``tensor_dtypes``."""
+    target = target or graph.config.target
+    return (cpu_tensor_dtypes if target == "cpu" else cuda_tensor_dtypes)(graph)
 
 
 def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
@@ -96,7 +109,7 @@ class CompiledGraph:
         self._ws.restype = ctypes.c_int64
         self.dtype = ALL_TORCH_DTYPES[graph.config.dtype]
         #: dtype of each argument tensor (normalization statistics: float64 on the CPU, the compute type in CUDA).
-        dtypes = (cpu_tensor_dtypes if self.target == "cpu" else cuda_tensor_dtypes)(graph)
+        dtypes = graph_tensor_dtypes(graph, self.target)
         self.dtypes = {t.name: ALL_TORCH_DTYPES[dtypes[t.name]] for t in self.args}
         # Temporaries live only during a call: one workspace is reused (fresh pages would fault
         # on every call); a concurrent call from another thread gets its own.
@@ -199,6 +212,8 @@ class CompiledLayer:
             (``fuse``, ``layout``, ``instrument``, ``mode``), so it can be rebuilt (e.g. after unpickling).
         inference_build: ``() -> CompiledLayer``, the forward-only build of the same config (the
             pipeline supplies it; built through the cache on first use); None for the build itself.
+        autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and options, run
+            under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 CPU builds only; else None).
     """
 
     config: EncoderConfig
@@ -208,6 +223,7 @@ class CompiledLayer:
     sources: dict
     options: dict = dataclasses.field(default_factory=dict)
     inference_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
+    autocast_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         self.key = register_layer(self)
@@ -223,6 +239,24 @@ class CompiledLayer:
         if self.backward is None or self.inference_build is None:
             return self
         return self.inference_build()
+
+    def for_autocast(self) -> "CompiledLayer":
+        """The build to run under CPU bfloat16 autocast: :attr:`autocast_build` (compiled through the cache
+        on first use), or this build where there is none or the CPU cannot run bfloat16 builds (then a
+        warning, once per config, says so and the layer computes in its own dtype).
+
+        Raises:
+            BuildError: compiling the bfloat16 build failed.
+        """
+        if self.autocast_build is None:
+            return self
+        try:
+            return self.autocast_build()
+        except ToolchainError as e:
+            warnings.warn(f"torch.autocast(bfloat16) is ignored by Substation's {self.config.name} layer: {e}",
+                          RuntimeWarning, stacklevel=3)
+            self.autocast_build = None
+            return self
 
     @property
     def saved_names(self) -> list[str]:

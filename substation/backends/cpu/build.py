@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from ...resources import csrc_dir, csrc_file
 from ...version import __version__
 
-__all__ = ["ToolchainError", "BuildError", "Toolchain", "toolchain", "cache_dir", "build_library",
-           "build_libraries"]
+__all__ = ["ToolchainError", "BuildError", "Toolchain", "OneDNN", "toolchain", "onednn", "cache_dir", "build_library",
+           "build_libraries", "cpu_flags", "require_bf16_isa"]
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
@@ -64,6 +64,76 @@ class Toolchain:
         dirs = sorted({os.path.dirname(p) for p in self.blas_libs})
         return ([f"-Wl,-rpath,{d}" for d in dirs] + [f"-L{d}" for d in dirs]
                 + [f"-l:{os.path.basename(p)}" for p in self.blas_libs] + ["-lm", "-ldl", "-lpthread"])
+
+
+@dataclasses.dataclass(frozen=True)
+class OneDNN:
+    """oneDNN, linked by bfloat16 CPU builds for their contractions (docs/toolchain.md).
+
+    Attributes:
+        include: folder holding ``oneapi/dnnl/dnnl.hpp``.
+        library: absolute path of ``libdnnl.so.3``.
+        version: the package version (``onednn-cpu-gomp``), else the library's real path.
+    """
+
+    include: str
+    library: str
+    version: str
+
+    def link_args(self) -> list[str]:
+        """Linker arguments for oneDNN (rpath, library folder, versioned library file)."""
+        folder = os.path.dirname(self.library)
+        return [f"-Wl,-rpath,{folder}", f"-L{folder}", f"-l:{os.path.basename(self.library)}"]
+
+
+@functools.lru_cache(maxsize=None)
+def onednn() -> OneDNN:
+    """Find oneDNN 3 (installed from PyPI by the project's set-up into ``sys.prefix``, or under ``$DNNLROOT``).
+    Its headers are taken from there, never from torch's include folder (torch bundles another oneDNN).
+
+    Raises:
+        ToolchainError: the headers or ``libdnnl.so.3`` are missing.
+    """
+    prefixes = [p for p in (sys.prefix, os.environ.get("DNNLROOT", "")) if p]
+    include = next((os.path.join(p, "include") for p in prefixes
+                    if os.path.exists(os.path.join(p, "include", "oneapi", "dnnl", "dnnl.hpp"))), None)
+    library = next((os.path.join(p, "lib", "libdnnl.so.3") for p in prefixes
+                    if os.path.exists(os.path.join(p, "lib", "libdnnl.so.3"))), None)
+    if include is None or library is None:
+        missing = "headers (oneapi/dnnl/dnnl.hpp)" if include is None else "library libdnnl.so.3"
+        raise ToolchainError(f"oneDNN {missing} not found under sys.prefix or $DNNLROOT; dtype bfloat16 on the CPU "
+                             "needs it: install 'onednn-cpu-gomp==2023.2.0' and 'onednn-devel-cpu-gomp==2023.2.0' "
+                             "(the README's set-up does)")
+    try:
+        from importlib.metadata import version as _v
+        version = _v("onednn-cpu-gomp")
+    except Exception:  # noqa: BLE001 - oneDNN outside pip: key by the library file instead
+        version = os.path.realpath(library)
+    return OneDNN(include, library, version)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``flags`` line of ``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def require_bf16_isa() -> None:
+    """Check that this CPU runs bfloat16 builds: they need AVX512-BF16 (``avx512_bf16``; AMX, where
+    present, is used by oneDNN too).
+
+    Raises:
+        ToolchainError: the flag is missing; the message names the CPU.
+    """
+    if "avx512_bf16" not in cpu_flags():
+        model = next((ln.partition(":")[2].strip() for ln in cpu_id().splitlines() if ln.startswith("model name")),
+                     "this CPU")
+        raise ToolchainError(f"dtype bfloat16 on the CPU needs the AVX512-BF16 instruction set (flag avx512_bf16); "
+                             f"{model} does not have it: compile with dtype float32")
 
 
 def find_cxx() -> tuple[str, str]:
@@ -158,12 +228,12 @@ def _header_text() -> str:
     return "\n".join(parts)
 
 
-def build_key(source: str) -> str:
-    """SHA-256 over everything that changes the compiled library."""
+def build_key(source: str, with_onednn: bool = False) -> str:
+    """SHA-256 over everything that changes the compiled library (with oneDNN: its version too)."""
     tc = toolchain()
     h = hashlib.sha256()
     for part in (source, _header_text(), tc.cxx_version, " ".join(FLAGS), tc.blas_version, cpu_id(),
-                 __version__):
+                 __version__, onednn().version if with_onednn else ""):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -217,17 +287,20 @@ class BuildResult:
     seconds: float
 
 
-def build_library(source: str, label: str = "lib") -> BuildResult:
-    """Compile ``source`` (C++) into a shared library, or reuse the cached build.
+def build_library(source: str, label: str = "lib", with_onednn: bool = False) -> BuildResult:
+    """Compile ``source`` (C++) into a shared library, or reuse the cached build; ``with_onednn``: also
+    against oneDNN (bfloat16 builds).
 
     Raises:
-        ToolchainError: compiler or BLAS missing.
+        ToolchainError: compiler, BLAS or (with oneDNN) oneDNN missing.
         BuildError: the compiler failed (nothing is written to the cache).
     """
     tc = toolchain()
-    return cached_build(build_key(source), label, source, "source.cpp",
-                        lambda src, lib: [tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", src, "-o",
-                                          lib, *tc.link_args()])
+    dnnl = onednn() if with_onednn else None
+    extra_include = [f"-I{dnnl.include}"] if dnnl and dnnl.include != tc.blas_include else []
+    return cached_build(build_key(source, with_onednn), label, source, "source.cpp",
+                        lambda src, lib: [tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", *extra_include,
+                                          src, "-o", lib, *tc.link_args(), *(dnnl.link_args() if dnnl else [])])
 
 
 def cached_build(key: str, label: str, source: str, filename: str, command, manifest: dict | None = None) -> BuildResult:
@@ -271,8 +344,8 @@ def cached_build(key: str, label: str, source: str, filename: str, command, mani
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_libraries(sources: dict[str, str]) -> dict[str, BuildResult]:
-    """Build several sources in parallel (one compiler process each)."""
+def build_libraries(sources: dict[str, str], with_onednn: bool = False) -> dict[str, BuildResult]:
+    """Build several sources in parallel (one compiler process each); ``with_onednn`` as :func:`build_library`."""
     with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
-        futures = {name: pool.submit(build_library, src, name) for name, src in sources.items()}
+        futures = {name: pool.submit(build_library, src, name, with_onednn) for name, src in sources.items()}
         return {name: f.result() for name, f in futures.items()}

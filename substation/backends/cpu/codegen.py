@@ -17,14 +17,17 @@ The generated library exports::
 """
 from __future__ import annotations
 
-from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator
-from ...ir.operands import Operand, c_expr, dim_size, linear_index, plan_contraction, resolve_operand
+from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, parameters
+from ...ir.operands import LayoutError, Operand, c_expr, dim_size, linear_index, plan_contraction, resolve_operand
 from ..common import stat_tensors, workspace_slots
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
 
 __all__ = ["generate_cpu", "tensor_dtypes"]
 
-_CTYPES = {"float32": "float", "float64": "double"}
+#: Tensor dtype -> C++ storage type (bfloat16: the raw 16 bits, converted on load and store).
+_CTYPES = {"float32": "float", "float64": "double", "bfloat16": "ss::bf16_t"}
+#: Config dtype -> C++ type of the arithmetic (bfloat16 builds compute and accumulate in float).
+_COMPUTE = {"float32": "float", "float64": "double", "bfloat16": "float"}
 
 
 # -- the emitter -----------------------------------------------------------------------------------
@@ -32,13 +35,23 @@ class _Emitter:
     def __init__(self, graph: LayerGraph):
         self.graph = graph
         self.cfg = graph.config
-        self.T = _CTYPES[self.cfg.dtype]
+        self.T = _COMPUTE[self.cfg.dtype]
+        self.dtypes = tensor_dtypes(graph)
         self.blas = "cblas_sgemm" if self.cfg.dtype == "float32" else "cblas_dgemm"
         self.lines: list[str] = []
         self.indent = 1
 
     def w(self, line: str = "") -> None:
         self.lines.append("  " * self.indent + line if line else "")
+
+    def loaded(self, t: str, element: str) -> str:
+        """``element`` (an element of tensor ``t`` in memory) as a value of the compute type."""
+        return f"ss::bf16_to_float({element})" if self.dtypes[t] == "bfloat16" else element
+
+    def stored(self, t: str, value: str) -> str:
+        """``value`` (compute or statistics type) as stored into tensor ``t`` (C++ converts between
+        float and double by itself)."""
+        return f"ss::float_to_bf16({value})" if self.dtypes[t] == "bfloat16" else value
 
     def operands(self, op: Operator) -> dict[str, Operand]:
         return {conn: resolve_operand(self.graph, t, a) for conn, (t, a) in self.graph.operands(op).items()}
@@ -83,6 +96,9 @@ class _Emitter:
         (a, b) = ops.values()
         plan = plan_contraction(a, b, out, op.label)
         alpha = attrs.get("alpha", 1.0)
+        if self.cfg.dtype == "bfloat16":
+            self._emit_matmul_bf16(plan, out, alpha)
+            return
         call = (f"{self.blas}(CblasRowMajor, {'CblasTrans' if plan.trans_a else 'CblasNoTrans'}, "
                 f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {c_expr(plan.m)}, {c_expr(plan.n)}, "
                 f"{c_expr(plan.k)}, {alpha!r}, {plan.a.name} + {{oa}}, {c_expr(plan.lda)}, {plan.b.name} + {{ob}}, "
@@ -126,6 +142,22 @@ class _Emitter:
         self.indent -= 1
         self.w("}")
 
+    def _emit_matmul_bf16(self, plan, out: Operand, alpha: float) -> None:
+        """One oneDNN matmul (``ss::matmul_bf16``, substation_dnnl.h), batch letters included: bf16
+        operands, float32 accumulation, the output's dtype (bf16, or float32 for parameter gradients)."""
+        if len(plan.batch) > 3:
+            raise LayoutError(f"contraction {out.name}: {len(plan.batch)} batch letters (the bf16 matmul takes 3)")
+        offset = {x: (c_expr(o.base) if o.base != 0 else "0") for x, o in (("a", plan.a), ("b", plan.b), ("c", out))}
+        batch = "ss::GemmBatch{}"
+        if plan.batch:
+            lists = [[dim_size(x) for x, *_ in plan.batch]] + [[c_expr(s[i]) for _, *s in plan.batch] for i in range(3)]
+            batch = f"ss::GemmBatch{{{len(plan.batch)}, " + ", ".join("{" + ", ".join(v) + "}" for v in lists) + "}"
+        self.w(f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
+               f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {plan.a.name} + {offset['a']}, {c_expr(plan.lda)}, "
+               f"{plan.b.name} + {offset['b']}, {c_expr(plan.ldb)}, {plan.c.name} + {offset['c']}, {c_expr(plan.ldc)}, "
+               f"{str(self.dtypes[plan.c.name] == 'float32').lower()}, {batch}) != 0) return 1;")
+
+
 #: Rows a float column reduction sums in float before adding into its double accumulator.
 COLUMN_BLOCK = 32
 #: Elements per dropout-mask chunk when a row's random words are drawn next to the loop that uses
@@ -142,7 +174,8 @@ class _RowKernel(RowEmitter):
     Per row, sweeps without a reduction between them run as one loop; produced tensors that later
     members read stay in per-thread row buffers (or registers, see :meth:`_render_row`); column
     reductions accumulate per thread and are combined in thread order after the rows (deterministic
-    for a given thread count). Statistics are double (:attr:`S`).
+    for a given thread count). Statistics (:attr:`S`) are double, float in bfloat16 builds; bfloat16
+    tensors are converted to float on load and rounded on store.
     """
 
     target = "cpu"
@@ -150,7 +183,7 @@ class _RowKernel(RowEmitter):
     FUNCTIONS = {"max_": "std::max"}
 
     def __init__(self, em: "_Emitter", model: RowKernelModel):
-        super().__init__(model, em.T, "double")
+        super().__init__(model, em.T, "float" if em.cfg.dtype == "bfloat16" else "double")
         self.em, self.graph = em, em.graph
         self.N, self.R = list(model.inner), list(model.rows)
         self.buffers = list(model.row_values)  # per-thread row buffers, extended by output_buffer
@@ -296,7 +329,7 @@ class _RowKernel(RowEmitter):
         if t in self.buffers and t in self.ready:
             value = f"buf_{t}[n_]"
         elif t in self.model.memory:
-            value = f"{t}[{resolve_operand(self.graph, t, a).offset()}]"
+            value = self.em.loaded(t, f"{t}[{resolve_operand(self.graph, t, a).offset()}]")
         else:
             raise AssertionError(f"tensor {t} is neither in memory nor produced earlier in the kernel")
         return sweep.let(f"v_{conn}", value)
@@ -308,7 +341,7 @@ class _RowKernel(RowEmitter):
         if t in self.buffers:
             sweep.stmt(f"buf_{t}[n_] = v_;")
         if t in self.model.memory:
-            sweep.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = v_;")
+            sweep.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {self.em.stored(t, 'v_')};")
 
     def _end_sweep(self, sweep) -> None:
         ops: dict[str, list[str]] = {}
@@ -319,10 +352,10 @@ class _RowKernel(RowEmitter):
             self.flush()
 
     def _row_read(self, t: str, a: str, ctype: str) -> str:
-        return self.cast(f"{t}[{resolve_operand(self.graph, t, a).offset()}]", ctype)
+        return self.cast(self.em.loaded(t, f"{t}[{resolve_operand(self.graph, t, a).offset()}]"), ctype)
 
     def _store_row(self, t: str, a: str, value: str) -> None:
-        self.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {value};")
+        self.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {self.em.stored(t, value)};")
 
     def _column(self, t: str) -> str:
         return f"{self.acc[t]}[n_]"
@@ -363,7 +396,7 @@ class _RowKernel(RowEmitter):
             return None
         if t in self.buffers and t in self.ready:
             return f"&buf_{t}[0]"
-        if t not in self.model.memory:
+        if t not in self.model.memory or _CTYPES[self.em.dtypes[t]] != self.T:
             return None
         op = resolve_operand(self.graph, t, a)
         return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
@@ -424,7 +457,7 @@ class _RowKernel(RowEmitter):
             off = resolve_operand(self.graph, t, a).offset()
             self._inner([f"double s_ = 0; for (int t2_ = 0; t2_ < nth_; ++t2_) "
                          f"s_ += part_[((size_t)t2_ * {ncol} + {q}) * nn_ + n_];",
-                         f"{t}[{off}] = ({T})s_;"])
+                         f"{t}[{off}] = {self.em.stored(t, f'({T})s_')};"])
 
 
 def _numel(dims: str) -> str:
@@ -445,11 +478,20 @@ def _timer_abi(ops: list[Operator]) -> list[str]:
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
-    """Dtype name of every tensor of ``graph`` in a CPU build: the config's dtype, except normalization
-    statistics (:func:`stat_tensors`), kept in float64: backward recomputes (x - mean) / std from them,
-    and a float32 mean of a row with a large mean and a small spread would lose most of its digits."""
+    """Dtype name of every tensor of ``graph`` in a CPU build: the config's dtype, except
+
+    - normalization statistics (:func:`stat_tensors`): float64 in float32 and float64 builds (backward
+      recomputes (x - mean) / std from them, and a float32 mean of a row with a large mean and a small
+      spread would lose most of its digits), float32 in bfloat16 builds (autocast's precision);
+    - in bfloat16 builds, the parameter gradients ``d<param>`` [param dims]: float32, as autocast
+      gives them (the GEMMs accumulate in float32 and write float32; column sums likewise).
+    """
+    cfg = graph.config
     stats = stat_tensors(graph)
-    return {n: ("float64" if n in stats else graph.config.dtype) for n in graph.tensors}
+    if cfg.dtype != "bfloat16":
+        return {n: ("float64" if n in stats else cfg.dtype) for n in graph.tensors}
+    wide = stats | {f"d{p}" for p in parameters(cfg)}
+    return {n: ("float32" if n in wide else "bfloat16") for n in graph.tensors}
 
 
 def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
@@ -470,13 +512,15 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
     for n, op in enumerate(ops):
         em.emit(op, n if instrument else None)
     args = [t for t in graph.tensors.values() if t.role != "temp"]
-    dtypes = tensor_dtypes(graph)
+    dtypes = em.dtypes
     slots = workspace_slots(graph, dtypes)
     T = em.T
     ctype = {n: _CTYPES[d] for n, d in dtypes.items()}
+    bf16 = cfg.dtype == "bfloat16"
     src = [
         f"// Generated by Substation: {graph.sdfg.name} ({graph.phase}), config {cfg.name}.",
         '#include "substation_cpu.h"',
+        *(['#include "substation_dnnl.h"'] if bf16 else []),
         "#include <mkl_cblas.h>",
         "",
         "namespace {",
@@ -489,6 +533,7 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
         "}",
         "",
         *(_timer_abi(ops) if instrument else []),
+        *(['extern "C" const char* substation_last_error() { return ss::last_error().c_str(); }', ""] if bf16 else []),
         'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)B; (void)J; (void)K;",

@@ -1,0 +1,101 @@
+// The contractions of Substation's bfloat16 CPU builds on oneDNN's matmul primitive (docs/toolchain.md
+// says why oneDNN): bf16 operands, float32 accumulation, a bf16 or float32 result (parameter gradients
+// stay float32). oneDNN runs them on AMX tiles where the CPU has them, else on AVX512-BF16.
+//
+// One engine per process, one stream per thread, and one primitive per distinct call (shape, strides,
+// scale, result type), created on first use and kept: creating a primitive costs more than a small GEMM.
+#pragma once
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "substation_cpu.h"
+
+namespace ss {
+
+// The batch letters of a batched contraction (at most three): sizes and each operand's element stride
+// along them; a stride of 0 broadcasts that operand over the letter.
+struct GemmBatch {
+  int count = 0;
+  int64_t size[3] = {1, 1, 1}, a[3] = {0, 0, 0}, b[3] = {0, 0, 0}, c[3] = {0, 0, 0};
+};
+
+// The message of the last failed matmul_bf16 on this thread (exported as substation_last_error()).
+inline std::string& last_error() {
+  static thread_local std::string message;
+  return message;
+}
+
+struct MatmulEntry {
+  dnnl::matmul primitive;
+  dnnl::memory::desc a, b, c;
+};
+
+// C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n], row-major with leading dimensions
+// lda, ldb, ldc as in cblas_sgemm (beta 0); C is float32 when c_f32, else bf16. Returns 0, or 1 with
+// last_error() set when oneDNN refuses the call.
+inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                       const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, void* c, int64_t ldc,
+                       bool c_f32, const GemmBatch& batch) {
+  using dnnl::memory;
+  try {
+    static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    static thread_local dnnl::stream stream(engine);
+    static std::mutex lock;
+    static std::map<std::vector<int64_t>, MatmulEntry> primitives;
+    int32_t alpha_bits;
+    std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
+    std::vector<int64_t> key = {trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
+    for (int i = 0; i < batch.count; ++i) key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i]});
+    const MatmulEntry* entry;
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      auto found = primitives.find(key);
+      if (found == primitives.end()) {
+        memory::dims ad, as, bd, bs, cd, cs;
+        for (int i = 0; i < batch.count; ++i) {
+          // A broadcast operand has extent 1 along the letter (its stride there is never used).
+          ad.push_back(batch.a[i] ? batch.size[i] : 1);
+          as.push_back(batch.a[i] ? batch.a[i] : 1);
+          bd.push_back(batch.b[i] ? batch.size[i] : 1);
+          bs.push_back(batch.b[i] ? batch.b[i] : 1);
+          cd.push_back(batch.size[i]);
+          cs.push_back(batch.c[i]);
+        }
+        ad.insert(ad.end(), {m, k});
+        as.insert(as.end(), {trans_a ? 1 : lda, trans_a ? lda : 1});
+        bd.insert(bd.end(), {k, n});
+        bs.insert(bs.end(), {trans_b ? 1 : ldb, trans_b ? ldb : 1});
+        cd.insert(cd.end(), {m, n});
+        cs.insert(cs.end(), {ldc, 1});
+        const memory::desc a_md(ad, memory::data_type::bf16, as), b_md(bd, memory::data_type::bf16, bs);
+        const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : memory::data_type::bf16, cs);
+        dnnl::primitive_attr attr;
+        if (alpha != 1.0f) {  // the scale on the float32 accumulators, before rounding to bf16
+          dnnl::post_ops ops;
+          ops.append_eltwise(dnnl::algorithm::eltwise_linear, alpha, 0.0f);
+          attr.set_post_ops(ops);
+        }
+        const dnnl::matmul::primitive_desc pd(engine, a_md, b_md, c_md, attr);
+        found = primitives.emplace(key, MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md}).first;
+      }
+      entry = &found->second;  // std::map nodes never move
+    }
+    entry->primitive.execute(stream, {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<bf16_t*>(a))},
+                                      {DNNL_ARG_WEIGHTS, memory(entry->b, engine, const_cast<bf16_t*>(b))},
+                                      {DNNL_ARG_DST, memory(entry->c, engine, c)}});
+    stream.wait();
+    return 0;
+  } catch (const std::exception& e) {
+    last_error() = std::string("oneDNN matmul (m=") + std::to_string(m) + ", n=" + std::to_string(n) + ", k=" +
+                   std::to_string(k) + ", batch letters " + std::to_string(batch.count) + "): " + e.what();
+    return 1;
+  }
+}
+
+}  // namespace ss

@@ -1,0 +1,243 @@
+"""bfloat16 CPU builds: mixed precision as autocast has it (bf16 activations and GEMM operands, float32
+arithmetic, statistics and parameter gradients), oneDNN contractions, autocast dispatch of float32
+layers, pure-bf16 layers, the instruction-set check and the analysis at 2 bytes per element."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from conftest import reference_for
+
+from substation import EncoderLayer, ToolchainError
+from substation.backends.cpu import build as cpu_build
+from substation.backends.cpu.codegen import tensor_dtypes
+from substation.config import ConfigError, load_config
+from substation.perf.analysis import analyze
+from substation.pipeline import cached_compile, compile_layer
+from substation.reference import ReferenceEncoderLayer, run_graph
+from substation.runtime import parameter_names
+
+NO_DROPOUT = {"attention": 0.0, "hidden": 0.0, "activation": 0.0}
+pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_build.cpu_flags(),
+                                reason="bfloat16 CPU builds need AVX512-BF16")
+
+
+def _tiny(**changes):
+    return load_config("tiny").replace(**changes)
+
+
+@pytest.fixture(scope="module")
+def fp32_layer():
+    """A float32 tiny layer without dropout, norm and bias parameters randomized (so every gradient is
+    nonzero), in train mode."""
+    torch.manual_seed(0)
+    layer = EncoderLayer(cached_compile(_tiny(dtype="float32", dropout=NO_DROPOUT)))
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if name.startswith("norm") and "weight" in name else 0.0))
+    return layer
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 16, generator=gen)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    return x, pad, torch.zeros(2, 7, dtype=torch.float64).masked_fill(pad, float("-inf"))
+
+
+def _rel(ours, ref) -> float:
+    return float((ours.double() - ref).abs().max() / ref.abs().max())
+
+
+def _step(layer, x, pad, autocast: bool):
+    """Forward and backward of ``layer`` (under CPU bf16 autocast or not); (y, dx, parameter grads)."""
+    layer.zero_grad(set_to_none=True)
+    xg = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(xg, key_padding_mask=pad)
+    y.backward(torch.ones_like(y))
+    return y.detach(), xg.grad, [p.grad for p in layer.parameters()]
+
+
+def test_config_accepts_bfloat16_on_the_cpu_and_float16_only_for_cuda():
+    assert _tiny(dtype="bfloat16").itemsize == 2
+    with pytest.raises(ConfigError, match=r"float16 needs target: cuda"):
+        _tiny(dtype="float16")
+
+
+def test_tensor_dtypes_keep_statistics_and_parameter_gradients_in_float32():
+    fwd_bwd = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))
+    dtypes = {**tensor_dtypes(fwd_bwd.forward.graph), **tensor_dtypes(fwd_bwd.backward.graph)}
+    wide = {n for n, d in dtypes.items() if d == "float32"}
+    grads = {f"d{p}" for p in parameter_names(fwd_bwd.config)}
+    stats = {f"layer_norm{k}_{s}" for k in (1, 2) for s in ("mean", "rstd")}
+    assert wide == grads | stats
+    assert {d for n, d in dtypes.items() if n not in wide} == {"bfloat16"}
+
+
+def test_generated_code_runs_every_contraction_on_onednn_and_converts_in_the_row_kernels():
+    compiled = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))
+    for phase, graph in (("forward", compiled.forward.graph), ("backward", compiled.backward.graph)):
+        source = compiled.sources[phase]
+        contractions = sum(op.kind == "contraction" for op in graph.operators())
+        assert source.count("ss::matmul_bf16(") == contractions > 0
+        assert "cblas_sgemm(" not in source and "ss::gemm_small(" not in source
+        assert "ss::float_to_bf16(" in source and "ss::bf16_to_float(" in source
+    # the attention products run as one batched call each (batch letters B and H)
+    assert len(re.findall(r"ss::GemmBatch\{2, \{B, H\}", compiled.sources["forward"])) == 2
+
+
+def test_autocast_runs_the_bfloat16_build_of_a_float32_layer(fp32_layer):
+    """Forward, input gradient and every parameter gradient against float64, near PyTorch's own float32
+    layer under autocast; float32 output and float32 gradients, as autocast gives them."""
+    x, pad, additive = _inputs()
+    y, dx, grads = _step(fp32_layer, x, pad, autocast=True)
+    assert y.dtype == torch.float32 and dx.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert fp32_layer.compiled.for_autocast().config.dtype == "bfloat16"
+
+    ref64 = reference_for(fp32_layer)
+    x64 = x.double().requires_grad_()
+    y64 = ref64(x64, additive)
+    y64.backward(torch.ones_like(y64))
+    ref32 = reference_for(fp32_layer, torch.float32)
+    x32 = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y32 = ref32(x32, additive.float())
+    y32.float().backward(torch.ones_like(y32, dtype=torch.float32))
+
+    pairs = [("y", y, y32.detach().float(), y64.detach()), ("dX", dx, x32.grad, x64.grad)]
+    pairs += [(n, g, p32.grad, p64.grad) for n, g, p32, p64 in
+              zip(parameter_names(fp32_layer.config), grads, ref32.parameters(), ref64.parameters())]
+    for name, ours, torch_autocast, exact in pairs:
+        if exact.abs().max() == 0:  # norm2_bias of a post-LN layer under dY = 1: zero gradient
+            assert ours.abs().max() == 0, name
+            continue
+        ours_err, autocast_err = _rel(ours, exact), _rel(torch_autocast, exact)
+        # bf16 activations (the residual stream included, which autocast keeps in float32): a few bf16
+        # roundings (2^-9 each) of the largest value, or a small multiple of autocast's own error
+        assert ours_err < max(6 * autocast_err, 1.5e-2), (name, ours_err, autocast_err)
+        assert ours_err < 4e-2, (name, ours_err)
+    # ... and really in bf16: the float32 build differs by bf16-sized amounts
+    y_fp32, _, _ = _step(fp32_layer, x, pad, autocast=False)
+    assert 1e-4 < _rel(y, y_fp32.double()) < 4e-2
+
+
+def test_bfloat16_layer_with_float32_master_weights_matches_the_autocast_dispatch(fp32_layer):
+    """``EncoderLayer(bf16 build).float()`` keeps the bf16 build (master weights) and computes the same
+    numbers as the float32 layer's autocast dispatch: one way of running bf16 with float32 weights."""
+    master = EncoderLayer(cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))).float()
+    master.load_state_dict(fp32_layer.state_dict())
+    assert master.compiled.config.dtype == "bfloat16"
+    x, pad, _ = _inputs()
+    a, b = _step(master, x, pad, autocast=True), _step(fp32_layer, x, pad, autocast=True)
+    for u, v in zip([a[0], a[1], *a[2]], [b[0], b[1], *b[2]]):
+        assert torch.equal(u, v)
+    with pytest.raises(TypeError, match="hidden_states has dtype torch.float32"):
+        master(x)  # outside autocast the dtypes must match
+
+
+def test_pure_bfloat16_layer_trains_and_runs_inference(fp32_layer):
+    """``.to(torch.bfloat16)`` switches to the bf16 build: bf16 in, bf16 out, bf16 parameters whose
+    gradients arrive in bf16; eval under inference_mode runs its inference build."""
+    layer = EncoderLayer(cached_compile(_tiny(dtype="float32", dropout=NO_DROPOUT)))
+    layer.load_state_dict(fp32_layer.state_dict())
+    layer = layer.to(torch.bfloat16)
+    assert layer.compiled.config.dtype == "bfloat16"
+    x, pad, additive = _inputs()
+    xb = x.bfloat16().requires_grad_()
+    y = layer(xb, key_padding_mask=pad)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and all(p.grad.dtype == torch.bfloat16 for p in layer.parameters())
+    ref = reference_for(layer)
+    with torch.no_grad():
+        exact = ref(xb.detach().double(), additive)
+    assert _rel(y.detach(), exact) < 3e-2
+    with torch.inference_mode():
+        y_eval = layer.eval()(xb.detach(), key_padding_mask=pad)
+    assert y_eval.dtype == torch.bfloat16 and _rel(y_eval, exact) < 3e-2
+    assert layer.compiled.forward_only().mode == "eval"
+    assert all(torch.isfinite(y_eval[1, :4]).view(-1))
+
+
+def test_training_with_dropout_matches_the_float64_interpreter_on_the_same_masks():
+    """The bf16 forward and backward libraries in train mode (dropout 0.1 at every site, Philox masks
+    regenerated, nothing stored) against the float64 interpreter of the same graphs and seed."""
+    compiled = compile_layer(_tiny(dtype="bfloat16", dropout={"attention": 0.1, "hidden": 0.1, "activation": 0.1}))
+    fwd, bwd = compiled.forward, compiled.backward
+    gen = torch.Generator().manual_seed(2)
+    sizes = compiled.config.sizes(2, 7)
+    given = {}
+    for t in fwd.args:
+        if t.role in ("input", "param"):
+            given[t.name] = (torch.randn(t.shape(sizes), generator=gen) * (0.3 if t.role == "param" else 1.0))
+    given["mask"] = torch.zeros(2, 7)
+    given["mask"][1, 5:] = float("-inf")
+    given = {n: v.to(fwd.dtypes[n]) for n, v in given.items()}
+    out = fwd(given, 2, 7, seed=11, training=True)
+    exact = run_graph(fwd.graph, {n: v.double() for n, v in given.items()}, seed=11, training=True)
+    assert _rel(out["Y"], exact["Y"]) < 3e-2
+    dy = torch.randn(2, 7, 16, generator=gen).bfloat16()
+    env = {**given, **out}
+    saved = {n: env[n] for n in compiled.saved_names}
+    grads = bwd({**saved, "dY": dy}, 2, 7, seed=11, training=True)
+    exact_grads = run_graph(bwd.graph, {**{n: v.double() for n, v in saved.items()}, "dY": dy.double()},
+                            seed=11, training=True)
+    for name in ["dX"] + [f"d{p}" for p in parameter_names(compiled.config)]:
+        assert grads[name].dtype == (torch.bfloat16 if name == "dX" else torch.float32)
+        if exact_grads[name].abs().max() > 0:
+            assert _rel(grads[name], exact_grads[name]) < 4e-2, name
+
+
+def test_fully_masked_rows_give_zeros_in_bfloat16(fp32_layer):
+    x, _, _ = _inputs()
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1] = True
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp32_layer(x, key_padding_mask=pad)
+    ref = ReferenceEncoderLayer(fp32_layer.config, torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in fp32_layer.state_dict().items()})
+    ref.train(fp32_layer.training)
+    with torch.no_grad():
+        exact = ref(x.double(), torch.zeros(2, 7, dtype=torch.float64).masked_fill(pad, float("-inf")))
+    assert torch.isfinite(y).all() and _rel(y, exact) < 3e-2
+
+
+def test_torch_compile_under_autocast(fp32_layer):
+    x, pad, _ = _inputs()
+    opt = torch.compile(fp32_layer, backend="eager")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y_opt = opt(x, key_padding_mask=pad)
+        y = fp32_layer(x, key_padding_mask=pad)
+    assert y_opt.dtype == torch.float32 and torch.equal(y_opt, y)
+
+
+def test_a_cpu_without_avx512_bf16_is_refused_at_compile_time(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: {"avx512f", "avx2"})
+    with pytest.raises(ToolchainError, match=r"AVX512-BF16 instruction set \(flag avx512_bf16\)"):
+        compile_layer(_tiny(dtype="bfloat16", name="tiny-no-isa"))
+    # under autocast a float32 layer warns once and computes in float32
+    layer = EncoderLayer(compile_layer(_tiny(dtype="float32", dropout=NO_DROPOUT, name="tiny-no-isa")))
+    x, pad, _ = _inputs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        y = layer(x, key_padding_mask=pad)
+        layer(x, key_padding_mask=pad)
+    assert y.dtype == torch.float32
+    assert sum("AVX512-BF16" in str(w.message) for w in seen) == 1
+
+
+def test_analysis_counts_two_bytes_per_activation():
+    """Bytes at the real item size: the bf16 build's memory-bound bytes are about half the float32
+    build's (statistics and parameter gradients stay 4 bytes wide)."""
+    cfg = load_config("bert-base")
+    half, full = analyze(cfg.replace(dtype="bfloat16"), optimized=True), analyze(cfg, optimized=True)
+    for cls in ("SN", "EW"):
+        ratio = half.total("total", cls)["bytes"] / full.total("total", cls)["bytes"]
+        assert 0.5 <= ratio < 0.52, (cls, ratio)
+    assert half.total("total", "TC")["flop"] == full.total("total", "TC")["flop"]
