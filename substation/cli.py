@@ -250,6 +250,10 @@ def cmd_bench(args) -> int:
         print("substation: error: --mode eval times the inference build; it does not take --kernels, "
               "--compare-layouts or --layout", file=sys.stderr)
         return 2
+    if args.dtype and (args.kernels or args.compare_layouts):
+        print("substation: error: --dtype applies to the Substation vs PyTorch comparison; for --kernels or "
+              "--compare-layouts set the config's dtype key", file=sys.stderr)
+        return 2
     if args.compare_layouts:
         return cmd_compare_layouts(args)
     if args.kernels:
@@ -259,7 +263,7 @@ def cmd_bench(args) -> int:
     else:
         result = bench.run_bench(args.config, repeats=args.repeats, warmup=args.warmup, batch_size=args.batch_size,
                                  seq_len=args.seq_len, include_compile=not args.no_compile, hf_attn=args.hf_attn,
-                                 layout=args.layout, mode=args.mode,
+                                 layout=args.layout, mode=args.mode, dtype=args.dtype,
                                  progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         text, plot = bench_report.format_bench(result), bench_report.plot_bench
     print(text)
@@ -430,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("train", "eval"), default="train",
                    help="train: forward+backward steps with dropout (default); eval: forward passes in eval mode "
                         "under torch.inference_mode (Substation's inference build)")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"),
+                   help="override the config's dtype; bfloat16: every implementation under CPU bf16 autocast "
+                        "with float32 weights")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("bench-model", help="time whole-model training steps of a Hugging Face BERT with and "
                                            "without substation.optimize, eager and under torch.compile")

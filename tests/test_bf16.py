@@ -3,6 +3,7 @@ arithmetic, statistics and parameter gradients), oneDNN contractions, autocast d
 layers, pure-bf16 layers, the instruction-set check and the analysis at 2 bytes per element."""
 from __future__ import annotations
 
+import json
 import re
 import warnings
 
@@ -241,3 +242,19 @@ def test_analysis_counts_two_bytes_per_activation():
         ratio = half.total("total", cls)["bytes"] / full.total("total", cls)["bytes"]
         assert 0.5 <= ratio < 0.52, (cls, ratio)
     assert half.total("total", "TC")["flop"] == full.total("total", "TC")["flop"]
+
+
+def test_bench_dtype_bfloat16_runs_everything_under_autocast(tmp_path, capsys):
+    from substation.cli import main
+    js = tmp_path / "b.json"
+    assert main(["bench", "tiny", "--dtype", "bfloat16", "--no-compile", "--repeats", "2", "--warmup", "1",
+                 "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    assert r["dtype"] == "bfloat16" and set(r["implementations"]) == {"substation", "eager"}
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in r["implementations"]["eager"]["label"]
+    assert 1e-4 < r["max_rel_error_vs_eager"] < 3e-2  # both in bf16, rounded differently
+    assert r["implementations"]["substation"]["saved_for_backward_bytes"] > 0
+    limit = r["limit"]
+    assert limit["gemm_rate"] > 0 and limit["per_implementation"]["substation"]["fraction_of_limit"] > 0
+    assert main(["bench", "tiny", "--dtype", "bfloat16", "--kernels"]) == 2
+    assert "--dtype" in capsys.readouterr().err

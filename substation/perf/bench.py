@@ -9,6 +9,11 @@ forward pass, the backward pass (``y.backward(dy)`` timed on its own) and forwar
   padding mask or none), else :class:`~substation.reference.ReferenceEncoderLayer`;
 * ``compile``: that eager module under ``torch.compile`` (default mode, inductor).
 
+With ``dtype: bfloat16`` (the config's or ``--dtype``), every implementation runs under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` with float32 weights, inputs and gradients: Substation's
+bf16 build (float32 master weights, cast once per step), the eager module and its ``torch.compile``
+as autocast runs them.
+
 All run in train mode with the config's dropout and a padding mask (the second half of the batch is
 padded from position 3L/4 on), on ``torch.get_num_threads()`` threads. It also reports the bytes each
 holds for backward (:func:`saved_tensor_bytes`) and the compile time of each, cold: Substation's
@@ -67,8 +72,10 @@ def _cold_compile(config, layout=None):
     return compiled, seconds  # the libraries stay loaded after their files are removed
 
 
-def _apply_overrides(config, batch_size: int | None, seq_len: int | None):
+def _apply_overrides(config, batch_size: int | None, seq_len: int | None, dtype: str | None = None):
     config = load_config(config)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
     changes = {}
     if batch_size is not None:
         changes["batch_size"] = batch_size
@@ -84,7 +91,7 @@ def _apply_overrides(config, batch_size: int | None, seq_len: int | None):
 # -- the bench -----------------------------------------------------------------------------------
 def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None = None,
               seq_len: int | None = None, include_compile: bool = True, compile_backend: str = "inductor",
-              hf_attn: str = "sdpa", seed: int = 0, layout=None, mode: str = "train",
+              hf_attn: str = "sdpa", seed: int = 0, layout=None, mode: str = "train", dtype: str | None = None,
               progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark the compiled layer against PyTorch eager and ``torch.compile`` (see the module docstring).
 
@@ -105,6 +112,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         mode: ``train`` (forward+backward steps in train mode, dropout on) or ``eval`` (forward
             passes in eval mode under ``torch.inference_mode``: Substation runs its inference build,
             the others their eval forward; nothing is held for backward).
+        dtype: override the config's dtype; ``bfloat16``: everything under CPU bf16 autocast (see the
+            module docstring).
         progress: called with a short message before each phase.
 
     Returns:
@@ -130,7 +139,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         raise ValueError("a layout plan applies to training builds; bench --mode eval runs the inference build")
     train = mode == "train"
     say = progress or (lambda msg: None)
-    config = _apply_overrides(config, batch_size, seq_len)
+    config = _apply_overrides(config, batch_size, seq_len, dtype)
+    autocast = config.dtype == "bfloat16"
     machine = machine_info()
     threads = machine["threads"]
     torch.set_num_threads(threads)
@@ -139,8 +149,21 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     compiled, sub_compile = _cold_compile(config, layout)
     torch.manual_seed(seed)
     layer = EncoderLayer(compiled)
+    if autocast:
+        layer = layer.float()  # float32 master weights; the bf16 build stays (cast under autocast)
     sub_threads = set_substation_threads(compiled, threads)
     eager, call_eager, eager_label = eager_baseline(layer, hf_attn)
+    if autocast:
+        plain_eager = call_eager
+
+        def call_eager(m, t, mask):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return plain_eager(m, t, mask)
+        eager_label += " under torch.autocast('cpu', dtype=torch.bfloat16)"
+
+    def call_sub(t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return layer(t, attention_mask=mask)
 
     b, j, i = config.batch_size, config.max_seq_len, config.hidden_size
     dtype = layer.torch_dtype
@@ -152,7 +175,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     # identical weights: the outputs agree with dropout off
     layer.eval(), eager.eval()
     with torch.no_grad():
-        y_sub, y_ref = layer(x, attention_mask=mask), call_eager(eager, x, mask)
+        y_sub, y_ref = call_sub(x), call_eager(eager, x, mask)
     rel_err = float((y_sub - y_ref).abs().max() / y_ref.abs().max())
     layer.train(train), eager.train(train)
     if not train:
@@ -161,7 +184,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         set_substation_threads(inference, threads)
         info_inference = {"inference_build_seconds": dict(inference.build_seconds)}
 
-    cands = [Candidate("substation", lambda t: layer(t, attention_mask=mask), list(layer.parameters())),
+    cands = [Candidate("substation", call_sub, list(layer.parameters())),
              Candidate("eager", lambda t: call_eager(eager, t, mask), list(eager.parameters()))]
     info = {"substation": {"label": "substation.EncoderLayer", "compile_seconds": sub_compile,
                            "compile_method": "substation pipeline (graph ... load) into an empty temporary "
@@ -260,7 +283,8 @@ def time_limit(config, measured_seconds: dict | None = None, mode: str = "train"
     tokens, hidden, ffn = config.batch_size * config.max_seq_len, config.hidden_size, config.ffn_size
     shapes = ((2048, 2048, 2048), (tokens, ffn, hidden), (tokens, hidden, ffn))  # square; linear1, linear2
     calls = 5
-    rate, peak = gemm_rate(config.dtype, shapes, repeats=calls), fma_peak(config.dtype)
+    # bf16 builds: the FMA peak of their float32 arithmetic (no AMX peak probe)
+    rate, peak = gemm_rate(config.dtype, shapes, repeats=calls), fma_peak(_ARITHMETIC.get(config.dtype, config.dtype))
     bw, buffer_bytes = copy_bandwidth()
     limit = flop / rate + nbytes / bw
     per = {name: {"seconds": secs, "fraction_of_limit": limit / secs, "speedup_at_limit": secs / limit}
@@ -270,6 +294,9 @@ def time_limit(config, measured_seconds: dict | None = None, mode: str = "train"
                            f"of {calls} calls after one untimed call"}, "fma_peak": peak,
             "copy_bandwidth": bw, "copy_buffer_bytes": buffer_bytes, "limit_seconds": limit,
             "fma_limit_seconds": flop / peak + nbytes / bw, "per_implementation": per}
+
+
+_ARITHMETIC = {"bfloat16": "float32"}
 
 
 def _load():

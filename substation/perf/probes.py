@@ -95,29 +95,48 @@ def _probe_library():
     return lib
 
 
-def _probe_dtype(dtype: str) -> int:
-    if dtype not in ("float32", "float64"):
-        raise ValueError(f"dtype must be float32 or float64 (the CPU target's dtypes), got {dtype!r}")
+def _bf16_probe_library():
+    """The bf16 matmul probe (``csrc/substation_probe_bf16.cpp``, linked with oneDNN), built through the cache."""
+    import ctypes
+
+    with open(csrc_file("substation_probe_bf16.cpp")) as f:
+        lib = ctypes.CDLL(build_library(f.read(), "probe-bf16", with_onednn=True).path)
+    lib.substation_probe_matmul_bf16_seconds.restype = ctypes.c_double
+    lib.substation_probe_matmul_bf16_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
+    return lib
+
+
+def _probe_dtype(dtype: str, allowed=("float32", "float64")) -> int:
+    if dtype not in allowed:
+        raise ValueError(f"dtype must be one of {', '.join(allowed)}, got {dtype!r}")
     return int(dtype == "float64")
 
 
 def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5) -> float:
-    """The BLAS's GEMM rate in flop/s: the best over ``shapes`` (``(m, n, k)`` tuples) of 2 m n k /
-    seconds of the fastest of ``repeats`` row-major ``C[m, n] = A[m, k] B[k, n]`` calls of
-    ``cblas_sgemm`` (``float32``) or ``cblas_dgemm`` (``float64``) of the library the generated code
-    links (MKL), on the generated code's OpenMP threads; one untimed call per shape comes first.
+    """The GEMM rate in flop/s of the library the generated code links: the best over ``shapes``
+    (``(m, n, k)`` tuples) of 2 m n k / seconds of the fastest of ``repeats`` row-major
+    ``C[m, n] = A[m, k] B[k, n]`` calls of MKL's ``cblas_sgemm`` (``float32``) or ``cblas_dgemm``
+    (``float64``), or of oneDNN's bf16 matmul (``bfloat16``, bf16 in and out: ``ss::matmul_bf16``), on
+    the generated code's OpenMP threads; one untimed call per shape comes first.
 
     Raises:
         ValueError: another dtype, no shapes, a size < 1 or ``repeats`` < 1.
         ToolchainError, BuildError: the probe library cannot be built.
+        RuntimeError: oneDNN refused a bf16 call.
     """
-    use_double = _probe_dtype(dtype)
+    use_double = _probe_dtype(dtype, ("float32", "float64", "bfloat16"))
     shapes = [tuple(int(v) for v in s) for s in shapes]
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
         raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
-    lib = _probe_library()
-    return max(2.0 * m * n * k / lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double)
-               for m, n, k in shapes)
+    if dtype == "bfloat16":
+        lib = _bf16_probe_library()
+        seconds = [lib.substation_probe_matmul_bf16_seconds(m, n, k, repeats) for m, n, k in shapes]
+        if min(seconds) < 0:
+            raise RuntimeError(f"oneDNN refused a bf16 matmul of the shapes {shapes}")
+    else:
+        lib = _probe_library()
+        seconds = [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]
+    return max(2.0 * m * n * k / s for (m, n, k), s in zip(shapes, seconds))
 
 
 def fma_peak(dtype: str = "float32", iterations: int = 30_000_000, repeats: int = 3) -> float:
