@@ -132,7 +132,7 @@ class EncoderLayer(nn.Module):
             ValueError: ``batch_first=False``, ``bias=False``, separate kdim/vdim, ``add_bias_kv`` /
                 ``add_zero_attn``, an unsupported activation (named in the message), differing
                 ``dropout1``/``dropout2`` probabilities or LayerNorm eps, or not a TransformerEncoderLayer.
-            TypeError: weights that are not float32 or float64, or of mixed dtypes.
+            TypeError: weights that are not float32, float64 or bfloat16, or of mixed dtypes.
             ConfigError: an invalid override. ToolchainError, BuildError: compilation failed.
         """
         if not isinstance(layer, nn.TransformerEncoderLayer):
@@ -164,7 +164,7 @@ class EncoderLayer(nn.Module):
         dtypes = {p.dtype for p in layer.parameters()}
         if len(dtypes) != 1 or DTYPE_NAMES.get(next(iter(dtypes))) not in DTYPES:
             raise TypeError(f"TransformerEncoderLayer has parameter dtypes {sorted(map(str, dtypes))}; Substation "
-                            f"compiles float32 or float64 layers (convert it with .float() or .double() first)")
+                            f"compiles float32, float64 or bfloat16 layers (convert it with .float() first)")
         config = EncoderConfig(
             batch_size=1, max_seq_len=512, hidden_size=i, num_heads=h, ffn_size=layer.linear1.out_features,
             activation=activation_name(layer.activation), layer_norm="pre" if layer.norm_first else "post",

@@ -299,8 +299,8 @@ def test_from_hf_other_errors():
     layer.output.LayerNorm.eps = 1e-5
     with pytest.raises(ValueError, match="different eps"):
         from_hf(layer)
-    with pytest.raises(ValueError, match="weights are torch.bfloat16; target cpu compiles float32, float64"):
-        from_hf(BertLayer(bert_config()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="weights are torch.float16; target cpu compiles float32, float64, bfloat16"):
+        from_hf(BertLayer(bert_config()).to(torch.float16))
 
 
 def test_from_hf_separate_hidden_dropouts():
