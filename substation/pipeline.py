@@ -25,7 +25,7 @@ from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
 from .ir.graph import LayerGraph, build_forward
 from .passes.autodiff import build_backward
 from .passes.fusion import fuse as fuse_graph
-from .passes.layout import LayoutPlan, apply_plan, load_plan
+from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -38,12 +38,14 @@ class PipelineOptions:
 
     Attributes:
         fuse: run the fusion pass (row kernels); False: one kernel per operator.
-        layout: a layout plan: a path, a bundled plan name or a :class:`LayoutPlan`; None or
-            ``"default"`` keeps PyTorch's layouts.
+        layout: a layout plan: a path, a bundled plan name or a :class:`LayoutPlan`; ``"default"``
+            keeps PyTorch's layouts; None: the config's default plan
+            (:func:`~substation.passes.layout.default_plan`: PyTorch's layouts, except that bfloat16 CPU
+            builds store QKV T-major).
         instrument: per-operator timers in the CPU libraries (``CompiledGraph.op_seconds``).
         mode: ``train`` (forward and backward libraries; forward writes what backward reads) or
             ``eval`` (the inference build: a forward library only: no dropout, nothing saved, intermediates in a
-            workspace whose buffers are reused once dead; PyTorch's layouts), one of :data:`MODES`.
+            workspace whose buffers are reused once dead; the default plan), one of :data:`MODES`.
 
     Raises:
         TypeError: an option of the wrong type. ValueError: an unknown mode.
@@ -152,7 +154,8 @@ def _fusion(state: PipelineState) -> None:
 
 
 def _layout(state: PipelineState) -> None:
-    state.forward, state.backward = apply_plan(state.forward, state.backward, state.options.layout)
+    plan = state.options.layout if state.options.layout is not None else default_plan(state.config)
+    state.forward, state.backward = apply_plan(state.forward, state.backward, plan)
 
 
 def _codegen(state: PipelineState) -> None:
@@ -201,8 +204,8 @@ PASSES = (
          lambda o: o.mode == "train"),
     Pass("fusion", "group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS, _fusion,
          lambda o: o.fuse),
-    Pass("layout", "apply a layout plan: tensor strides, explicit transposes, vectorized letters", _FORWARD, _GRAPHS,
-         _layout, lambda o: o.layout is not None),
+    Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
+         "vectorized letters", _FORWARD, _GRAPHS, _layout),
     Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD, frozenset({"sources"}), _codegen),
     Pass("build", "compile and link against BLAS / cuBLAS, through the build cache", frozenset({"sources"}),
          frozenset({"built"}), _build),

@@ -81,7 +81,11 @@ def test_tensor_dtypes_keep_statistics_and_parameter_gradients_in_float32():
 
 
 def test_generated_code_runs_every_contraction_on_onednn_and_converts_in_the_row_kernels():
+    """Every contraction is one oneDNN call; QKV is stored T-major (the bf16 default plan), so Q, K and V
+    are dense [B, J, H, P] blocks: the attention products read rows of stride I, not 3 I."""
     compiled = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))
+    assert compiled.forward.graph.tensors["QKV"].layout == "TBJHP"
+    assert compiled.backward.graph.tensors["dQKV"].layout == "BJTHP"
     for phase, graph in (("forward", compiled.forward.graph), ("backward", compiled.backward.graph)):
         source = compiled.sources[phase]
         contractions = sum(op.kind == "contraction" for op in graph.operators())
@@ -187,7 +191,8 @@ def test_training_with_dropout_matches_the_float64_interpreter_on_the_same_masks
     env = {**given, **out}
     saved = {n: env[n] for n in compiled.saved_names}
     grads = bwd({**saved, "dY": dy}, 2, 7, seed=11, training=True)
-    exact_grads = run_graph(bwd.graph, {**{n: v.double() for n, v in saved.items()}, "dY": dy.double()},
+    # the interpreter's own forward tensors (in logical dims; QKV is stored T-major in the build)
+    exact_grads = run_graph(bwd.graph, {**{n: exact[n] for n in compiled.saved_names}, "dY": dy.double()},
                             seed=11, training=True)
     for name in ["dX"] + [f"d{p}" for p in parameter_names(compiled.config)]:
         assert grads[name].dtype == (torch.bfloat16 if name == "dX" else torch.float32)

@@ -37,14 +37,14 @@ The pass runs after fusion (see ``docs/layouts.md`` for why).
 """
 
 from ...ir.operands import LayoutError
-from .plan import (PLAN_FORMAT, LayoutPlan, PlanError, apply_plan, load_plan, plan_from_solution,
-                   rename_member_tensors)
+from .plan import (BF16_CPU_PLAN, PLAN_FORMAT, LayoutPlan, PlanError, apply_plan, default_plan, load_plan,
+                   plan_from_solution, rename_member_tensors)
 from .problem import (Candidate, CostModel, LayoutProblem, Mode, OpVar, TensorVar, build_problem, gemm_modes,
                       graph_signature, make_problem, op_candidates)
 from .solve import LayoutInfeasible, Solution, default_solution, lower_bound, solve
 
 __all__ = [
-    "PLAN_FORMAT", "LayoutError", "LayoutInfeasible", "PlanError", "CostModel", "Mode", "Candidate",
+    "BF16_CPU_PLAN", "PLAN_FORMAT", "LayoutError", "default_plan", "LayoutInfeasible", "PlanError", "CostModel", "Mode", "Candidate",
     "TensorVar", "OpVar", "LayoutProblem", "Solution", "LayoutPlan", "build_problem", "solve",
     "lower_bound", "default_solution", "apply_plan", "load_plan",
     "plan_from_solution", "op_candidates", "gemm_modes", "make_problem", "graph_signature", "rename_member_tensors",

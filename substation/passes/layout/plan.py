@@ -236,8 +236,23 @@ def _warn_if_tuned_elsewhere(plan: LayoutPlan, config) -> None:
                       UserWarning, stacklevel=3)
 
 
-def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, LayerGraph]:
-    """Apply a layout plan to a layer's (forward, backward) graphs.
+#: The plan of a bfloat16 CPU build given none: QKV stored T-major ([T, B, J, H, P]), so that Q, K and V
+#: are each a dense [B, J, H, P] tensor, whose per-head rows (stride I) oneDNN's brgemm matmul takes;
+#: per-head views of the token-major tensor (row stride 3 I) run its slower gemm:jit kernel
+#: (docs/toolchain.md). dQKV stays token-major: backward's QKV GEMMs read it as one [B J, 3 I] matrix.
+BF16_CPU_PLAN = LayoutPlan(tensors={"QKV": "TBJHP"},
+                           meta={"description": "bfloat16 CPU builds: Q, K, V as separate [B, J, H, P] blocks"})
+
+
+def default_plan(config) -> LayoutPlan | None:
+    """The plan a build of ``config`` gets when none is given: :data:`BF16_CPU_PLAN` for bfloat16 CPU
+    builds, else None (PyTorch's layouts)."""
+    return BF16_CPU_PLAN if config.target == "cpu" and config.dtype == "bfloat16" else None
+
+
+def apply_plan(fwd: LayerGraph, bwd: LayerGraph | None, plan) -> tuple[LayerGraph, LayerGraph | None]:
+    """Apply a layout plan to a layer's (forward, backward) graphs (backward None: an inference build's
+    forward graph alone).
 
     Every tensor gets the plan's layout (the SDFG array strides change), read copies and write
     conversions become ``transpose`` operators (EW, 0 flop), and row kernels get their ``vector``
@@ -256,8 +271,9 @@ def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, Laye
     if plan is None:
         return fwd, bwd
     _warn_if_tuned_elsewhere(plan, fwd.config)
-    known = {n: t for g in (fwd, bwd) for n, t in g.tensors.items()}
-    api = {n for g in (fwd, bwd) for n, t in g.tensors.items() if t.role in ("input", "param", "output")}
+    graphs = [g for g in (fwd, bwd) if g is not None]
+    known = {n: t for g in graphs for n, t in g.tensors.items()}
+    api = {n for g in graphs for n, t in g.tensors.items() if t.role in ("input", "param", "output")}
     for name, layout in plan.tensors.items():
         if name not in known:
             raise PlanError(f"plan gives a layout for tensor {name!r}, which these graphs do not have "
@@ -268,12 +284,12 @@ def apply_plan(fwd: LayerGraph, bwd: LayerGraph, plan) -> tuple[LayerGraph, Laye
         if name in api and layout != info.dims:
             raise PlanError(f"plan stores {name} as {layout!r}, but the runtime exchanges {name} with PyTorch "
                             f"as {info.dims!r}; use a transpose instead")
-    ops = {f"{g.phase}/{op.label}" for g in (fwd, bwd) for op in g.operators()}
+    ops = {f"{g.phase}/{op.label}" for g in graphs for op in g.operators()}
     for key in plan.kernels:
         if key not in ops:
             raise PlanError(f"plan has options for kernel {key!r}, which these graphs do not have")
-    new = tuple(_apply_graph(g, plan) for g in (fwd, bwd))
-    for g in new:
+    new = tuple(_apply_graph(g, plan) if g is not None else None for g in (fwd, bwd))
+    for g in (g for g in new if g is not None):
         for op in g.operators():
             if op.kind == "contraction":
                 o = {c: resolve_operand(g, t, a) for c, (t, a) in g.operands(op).items()}
