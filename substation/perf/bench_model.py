@@ -43,7 +43,8 @@ from .probes import machine_info
 from .timing import fresh_inductor_cache, interleaved_rounds, sample_stats, set_substation_threads
 
 __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "build_model", "make_batch",
-           "train_step", "peak_step_bytes", "run_bench_model", "format_bench_model", "plot_bench_model"]
+           "train_step", "peak_step_bytes", "compiled_layers", "run_bench_model", "format_bench_model",
+           "plot_bench_model"]
 from ..interop import optimize
 from ..runtime import CompiledLayer
 
@@ -286,7 +287,7 @@ def _graph_breaks() -> tuple[int, dict, int | None]:
     return sum(reasons.values()), reasons, None if graphs is None else int(graphs)
 
 
-def _compiled_layers(model) -> tuple[int, dict]:
+def compiled_layers(model) -> tuple[int, dict]:
     """(number of modules of ``model`` that run a compiled layer, id -> each distinct
     :class:`~substation.runtime.CompiledLayer`): the modules that hold one as an attribute."""
     count, builds = 0, {}
@@ -312,7 +313,7 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
     t0 = time.perf_counter()
     optimize(optimized)
     optimize_seconds = time.perf_counter() - t0
-    replaced, builds = _compiled_layers(optimized)
+    replaced, builds = compiled_layers(optimized)
     sub_threads = [set_substation_threads(c, threads) for c in builds.values()]
 
     plain.eval(), optimized.eval()
