@@ -95,8 +95,8 @@ class EncoderLayer(nn.Module):
         config = layer_config(hf_layer, **config_overrides)
         family = family_of(hf_layer)
         new = cls(cached_compile(config))
+        sources = family.tensors(hf_layer)  # outside no_grad: the Q/K/V concatenation keeps requires_grad
         with torch.no_grad():
-            sources = family.tensors(hf_layer)
             for name, src in zip(PARAMETER_NAMES, sources):
                 dst = getattr(new, name)
                 if tuple(src.shape) != tuple(dst.shape):

@@ -126,6 +126,7 @@ def run_graph(graph: LayerGraph, given: dict, seed: int = 0, training: bool = Fa
         given: every input, parameter and (backward) saved tensor by name, in its logical dims
             (``TensorInfo.dims``: ``X`` [B, J, I], ``in_proj_weight`` as [T, H, P, I], ...).
         seed, training: dropout as in the compiled code (the same Philox masks); eval mode is the identity.
+        The tensors may be on any one device (the masks are computed on the CPU and moved there).
 
     Returns:
         Every tensor of the graph by name (the given ones and all that the operators write).
@@ -154,6 +155,6 @@ def run_graph(graph: LayerGraph, given: dict, seed: int = 0, training: bool = Fa
             for c, (t, a) in m["outputs"].items():
                 dims = dims_of(t, a)
                 if t not in env:
-                    env[t] = torch.zeros([sizes[d] for d in dims], dtype=first.dtype)
+                    env[t] = torch.zeros([sizes[d] for d in dims], dtype=first.dtype, device=first.device)
                 env[t][_index(dims, a)] = result[c].expand(env[t][_index(dims, a)].shape)
     return env

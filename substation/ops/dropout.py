@@ -79,7 +79,7 @@ def _dropout_reference(ins, outs, attrs):
     sizes = dict(zip(lx, x.shape))
     shape = [sizes[c] for c in dims]
     keep = dropout_keep_mask(attrs["seed"], attrs["stream"], np.arange(int(np.prod(shape))).reshape(shape), attrs["p"])
-    keep = align(torch.from_numpy(keep), dims, outs["y"])
+    keep = align(torch.from_numpy(keep).to(y.device), dims, outs["y"])
     return {"y": torch.where(keep, y * dropout_constants(attrs["p"])[1], torch.zeros((), dtype=y.dtype))}
 
 
