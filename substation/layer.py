@@ -50,7 +50,7 @@ class EncoderLayer(nn.Module):
         return parameter_names(self.config)
 
     def _apply(self, fn, recurse=True):
-        compiled = build_after_apply(self.compiled, fn)
+        compiled = build_after_apply(self.compiled, fn, self.in_proj_weight.dtype)
         out = super()._apply(fn, recurse)
         self.compiled, self.config, self.torch_dtype = compiled, compiled.config, compiled.forward.dtype
         return out

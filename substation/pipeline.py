@@ -333,15 +333,16 @@ def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.devic
     return cached_compile(config.replace(dtype=names[dtype]), **compiled.options)
 
 
-def build_after_apply(compiled: CompiledLayer, fn) -> CompiledLayer:
+def build_after_apply(compiled: CompiledLayer, fn, dtype: torch.dtype) -> CompiledLayer:
     """The build a layer needs after ``nn.Module._apply(fn)`` (``.to()``, ``.double()``, ...): ``fn`` is
-    probed on a float32 CPU tensor and :func:`rebuild_for` picks the build of the resulting dtype and
-    device, raising before any parameter is converted.
+    probed on a CPU tensor of ``dtype`` (the layer's parameter dtype: ``.to("cpu")`` keeps a float64
+    layer float64) and :func:`rebuild_for` picks the build of the resulting dtype and device, raising
+    before any parameter is converted.
 
     Raises:
         TypeError: as :func:`rebuild_for`.
     """
-    probe = fn(torch.zeros(1))
+    probe = fn(torch.zeros(1, dtype=dtype))
     return rebuild_for(compiled, probe.dtype, probe.device) if probe.dtype.is_floating_point else compiled
 
 

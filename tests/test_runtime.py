@@ -158,6 +158,7 @@ def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):
 
 def test_dtype_change_switches_the_build(tiny_nodrop):
     layer = make_layer(tiny_nodrop)
+    assert layer.to("cpu") is layer and layer.compiled.config.dtype == "float64"  # a device move keeps the dtype
     x = x_for(layer)
     with torch.no_grad():
         want = layer(x)

@@ -144,7 +144,9 @@ class SubstationLayer:
                          self.training, attention_mask=attention_mask)
 
     def _apply(self, fn, recurse=True):
-        compiled = build_after_apply(self.substation_compiled, fn)  # raises before anything is converted
+        weight = next(self.parameters(), None)
+        dtype = weight.dtype if weight is not None else self.substation_compiled.forward.dtype
+        compiled = build_after_apply(self.substation_compiled, fn, dtype)  # raises before anything is converted
         out = super()._apply(fn, recurse)
         self.substation_compiled = compiled
         return out
