@@ -143,8 +143,8 @@ template <> struct Store<__nv_bfloat16> {
 template <typename X, typename C> SS_HD X to_x(C v) { return Store<X>::from(v); }
 
 // ---- vector memory access --------------------------------------------------------------------
-// V consecutive elements starting at p (aligned to V * sizeof(X) bytes when V > 1: the launcher
-// checks alignment before it picks a vector instantiation), converted to the compute type.
+// V consecutive elements starting at p (V = 1, or V * sizeof(X) = 16 bytes aligned to 16: the
+// launcher checks alignment before it picks a vector instantiation), converted to the compute type.
 template <typename X, int V> struct alignas(sizeof(X) * V) Pack { X v[V]; };
 
 template <int V, typename X, typename C> SS_DEV void load(const X* __restrict__ p, C* out) {
@@ -171,13 +171,18 @@ template <int V, typename X, typename C> SS_DEV void store(X* __restrict__ p, co
   if constexpr (V == 1) {
     p[0] = to_x<X>(in[0]);
   } else {
+    static_assert(sizeof(Pack<X, V>) == 16, "vectors are 16 bytes");
     Pack<X, V> pk;
     SS_UNROLL
     for (int l = 0; l < V; ++l) pk.v[l] = to_x<X>(in[l]);
 #ifdef SS_EMULATE
     std::memcpy(p, &pk, sizeof(pk));
 #else
-    *reinterpret_cast<Pack<X, V>*>(p) = pk;
+    // One st.global.v4 through __stwb: a plain store of the Pack (or of a uint4) may be split into
+    // 2- and 4-byte stores (k1_input_bias: 6 st.global.u16 + 1 v2.u16 per vector).
+    uint4 w;
+    std::memcpy(&w, &pk, sizeof(w));
+    __stwb(reinterpret_cast<uint4*>(p), w);
 #endif
   }
 }
