@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from substation.backends.cpu.build import ToolchainError
-from substation.backends.cuda.build import cuda_toolchain, ptx_entries
+from substation.backends.cpu.build import BuildError, ToolchainError
+from substation.backends.cuda.build import cuda_toolchain, nvcc_flags, ptx_entries
 from substation.backends.cuda.codegen import generate_cuda
 from substation.config import load_config
 from substation.pipeline import compile_graphs
@@ -37,6 +37,23 @@ def _stores(ptx: str) -> list[str]:
     return re.findall(r"\bst\.global[.\w]*", ptx)
 
 
+HOST_CALL = r'''
+#include <algorithm>
+template <int N> __host__ __device__ long pick(long a, long b) { return std::min<long>(a, b) + N; }
+__global__ void k(long* p) { p[0] = pick<1>(p[0], p[1]); }
+'''
+
+
+@needs_nvcc
+def test_host_function_in_device_code_is_a_build_error():
+    """nvcc only warns when a __host__ __device__ helper calls a host function (std::min), and
+    compiles the call into wrong code (a row buffer indexed through it collapsed onto one address);
+    the build flags make it an error."""
+    assert "--diag-error=20011,20013" in nvcc_flags("sm_90")
+    with pytest.raises(BuildError, match=r"calling a constexpr __host__ function\(\"min\"\)"):
+        ptx_entries(HOST_CALL)
+
+
 @pytest.fixture(scope="module")
 def half_ptx():
     """PTX of the BERT-large forward and backward kernels in float16 and bfloat16."""
@@ -63,3 +80,4 @@ def test_vector_stores_are_16_bytes(half_ptx, dtype):
             assert stores and all(s in ("st.global.wb.v4.u32", "st.global.f32") for s in stores), (name, stores)
     k1 = _stores(half_ptx[dtype, 0]["k1_input_bias<8, false>"])
     assert k1 == ["st.global.wb.v4.u32"]
+

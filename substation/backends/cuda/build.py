@@ -15,11 +15,13 @@ Toolchain (found by :func:`cuda_toolchain`):
   directly (``-Xlinker <path>``), so no unversioned link is needed, and an rpath records its folder.
   At run time a process that already loaded PyTorch's cuBLAS of the same major version shares it.
 
-Flags: ``nvcc -O3 -std=c++17 -gencode arch=compute_NN,code=[sm_NN,compute_NN] -Xcompiler -fPIC
--shared -cudart shared`` for the config's ``cuda_arch`` (default ``sm_90``: H100/H200), plus the
-cuBLAS library. ``emulate=True`` compiles the same source with the host C++ compiler and
-``-DSS_EMULATE`` instead (see ``csrc/substation_cuda.cuh``): a sequential CPU emulation for tests on
-machines without a GPU; it needs only the toolkit's headers (``cuda_fp16.h``), not cuBLAS.
+Flags: ``nvcc -O3 -std=c++17 -DNDEBUG --diag-error=20011,20013 -gencode
+arch=compute_NN,code=[sm_NN,compute_NN] -Xcompiler -fPIC -shared -cudart shared`` for the config's
+``cuda_arch`` (default ``sm_90``: H100/H200), plus the cuBLAS library (device code calling a host
+function is an error, not a warning). ``emulate=True`` compiles the same source with the host C++
+compiler and ``-DSS_EMULATE`` instead (see ``csrc/substation_cuda.cuh``): a sequential CPU emulation
+for tests on machines without a GPU; it needs only the toolkit's headers (``cuda_fp16.h``), not
+cuBLAS.
 """
 from __future__ import annotations
 
@@ -203,7 +205,9 @@ def nvcc_flags(arch: str = "sm_90") -> list[str]:
         ValueError: a malformed ``arch``.
     """
     n = arch_number(arch)
-    return ["-O3", "-std=c++17", "-DNDEBUG", f"-gencode=arch=compute_{n},code=sm_{n}",
+    # Device code calling a host function (std::min in a __host__ __device__ helper) is only a
+    # warning by default, and nvcc then compiles the call into wrong code: make it an error.
+    return ["-O3", "-std=c++17", "-DNDEBUG", "--diag-error=20011,20013", f"-gencode=arch=compute_{n},code=sm_{n}",
             f"-gencode=arch=compute_{n},code=compute_{n}", "-Xcompiler", "-fPIC", "-shared", "-cudart", "shared"]
 
 
