@@ -283,57 +283,105 @@ template <typename T> SS_HD T gelu_tanh_grad(T x) {
 template <typename T> SS_HD T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> SS_HD T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }
 
+// ---- row-kernel thread layout -----------------------------------------------------------------
+// A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
+// (nvec <= 2 warps) run in warp mode: `row_lanes(nvec)` lanes per row, the smallest power of two
+// holding the row's vectors (at most a warp), so a row of 16 vectors takes half a warp and two rows
+// share it; a block of kWarpRows warps holds kWarpRows * kWarp / lanes rows. Longer rows get one
+// block each (a multiple of 32 threads, at most kMaxBlock).
+SS_HD int row_lanes(int64_t nvec) {
+  int lanes = 1;
+  while (lanes < kWarp && lanes < nvec) lanes *= 2;
+  return lanes;
+}
+// The threads of one row: `lanes` of them, this thread's `lane` among them, its row `group` in the
+// block and the `groups` (rows) per block. Warp-mode groups are aligned runs of lanes in a warp.
+struct RowThreads { int lanes, lane, group, groups; };
+template <bool WARP> SS_HD RowThreads row_threads(int64_t nvec, int tid, int bdim) {
+  if (!WARP) return {bdim, tid, 0, 1};
+  const int lanes = row_lanes(nvec);
+  return {lanes, tid % lanes, tid / lanes, bdim / lanes};
+}
+// The lanes of the calling thread's aligned group of `lanes` (a power of two) in its warp, as a
+// shuffle mask: the other rows of a warp may have left their loop.
+SS_HD unsigned lane_mask(int lanes, int lane_in_warp) {
+  return lanes >= kWarp ? 0xffffffffu : ((1u << lanes) - 1u) << (lane_in_warp & ~(lanes - 1));
+}
+// Shared-memory row buffers are lane-interleaved, so that a warp's accesses fall in distinct banks:
+// element l of a thread's vector nv sits at first * V + l * n + lane, where first = nv - lane is the
+// round's first vector and n = min(lanes, nvec - first) the lanes the round uses (a bijection onto
+// [0, nvec * V)); a thread keeps its own elements across loops, so no barrier is needed.
+struct BufPos {
+  int64_t base, stride;
+  SS_HD int64_t operator()(int l) const { return base + l * stride; }
+};
+template <int V> SS_HD BufPos buf_pos(int64_t nv, int lane, int lanes, int64_t nvec) {
+  const int64_t first = nv - lane, left = nvec - first;  // (std::min is host-only)
+  return {first * V + lane, left < lanes ? left : (int64_t)lanes};
+}
+// Shared elements of one row group: its `elems` buffer elements, padded in warp mode so that the
+// groups of one warp start `lanes` banks apart (their accesses then never share a bank).
+SS_HD int64_t row_region(int64_t elems, int lanes) {
+  if (elems == 0 || lanes >= kWarp) return elems;
+  return elems + ((lanes - elems) % kWarp + kWarp) % kWarp;
+}
+
 // ---- reductions ------------------------------------------------------------------------------
-template <typename T> SS_DEV T shfl_xor(T v, int offset) {
+template <typename T> SS_DEV T shfl_xor(T v, int offset, unsigned mask) {
 #ifdef SS_EMULATE
-  (void)offset;
+  (void)offset; (void)mask;
   return v;
 #else
-  return __shfl_xor_sync(0xffffffffu, v, offset);
+  return __shfl_xor_sync(mask, v, offset);
 #endif
 }
-template <typename T> SS_DEV T warp_sum(T v) {
+// Sum (max) over the calling thread's aligned group of `lanes` lanes (a power of two, at most kWarp).
+template <typename T> SS_DEV T warp_sum(T v, int lanes) {
+  const unsigned mask = lane_mask(lanes, (int)SS_TID % kWarp);
   SS_UNROLL
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += shfl_xor(v, o);
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < lanes) v += shfl_xor(v, o, mask);
   return v;
 }
-template <typename T> SS_DEV T warp_max(T v) {
+template <typename T> SS_DEV T warp_max(T v, int lanes) {
+  const unsigned mask = lane_mask(lanes, (int)SS_TID % kWarp);
   SS_UNROLL
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = max_(v, shfl_xor(v, o));
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < lanes) v = max_(v, shfl_xor(v, o, mask));
   return v;
 }
-// All-reduce over the threads that share a row: one warp (WARP) or the whole block. Every thread of
-// the group must call it (block mode synchronizes the block); `red` is 32 elements of shared memory.
-// The leading barrier keeps a previous reduction's readers from seeing `red` overwritten.
-template <bool WARP, typename T> SS_DEV T group_sum(T v, T* red) {
-  v = warp_sum(v);
-  if (WARP) return v;
+// All-reduce over the threads that share a row: `lanes` lanes of a warp (WARP) or the whole block.
+// Every thread of the group must call it (block mode synchronizes the block); `red` is 32 elements
+// of shared memory. The leading barrier keeps a previous reduction's readers from seeing `red`
+// overwritten.
+template <bool WARP, typename T> SS_DEV T group_sum(T v, T* red, int lanes) {
+  if (WARP) return warp_sum(v, lanes);
+  v = warp_sum(v, kWarp);
   const int lane = (int)SS_TID % kWarp, w = (int)SS_TID / kWarp, nw = ((int)SS_BDIM + kWarp - 1) / kWarp;
   SS_SYNC();
   if (lane == 0) red[w] = v;
   SS_SYNC();
-  return warp_sum(lane < nw ? red[lane] : T(0));
+  return warp_sum(lane < nw ? red[lane] : T(0), kWarp);
 }
-template <bool WARP, typename T> SS_DEV T group_max(T v, T* red) {
-  v = warp_max(v);
-  if (WARP) return v;
+template <bool WARP, typename T> SS_DEV T group_max(T v, T* red, int lanes) {
+  if (WARP) return warp_max(v, lanes);
+  v = warp_max(v, kWarp);
   const int lane = (int)SS_TID % kWarp, w = (int)SS_TID / kWarp, nw = ((int)SS_BDIM + kWarp - 1) / kWarp;
   SS_SYNC();
   if (lane == 0) red[w] = v;
   SS_SYNC();
-  return warp_max(lane < nw ? red[lane] : T(-INFINITY));
+  return warp_max(lane < nw ? red[lane] : T(-INFINITY), kWarp);
 }
 
 // ---- row-kernel launch configuration ---------------------------------------------------------
-// A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
-// (nvec <= 2 warps) get one warp each, kWarpRows rows per block; longer rows one block each
-// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory, in elements of the compute
-// type: `red` reduction slots (32 for a kernel that reduces rows, else 0) plus, per row in flight,
-// `slots` row-long arrays (buffers of intermediate tensors and column accumulators); an element-wise
-// kernel without buffers reserves none.
+// Dynamic shared memory, in elements of the compute type: `red` reduction slots (32 for a kernel
+// that reduces rows, else 0) plus, per row in flight, a `row_region` of `slots` row-long arrays
+// (buffers of intermediate tensors and column accumulators); an element-wise kernel without buffers
+// reserves none.
 struct RowCfg {
   int64_t grid;
   int block;
+  int lanes;               // threads per row
   int rows_per_block;
   bool warp;
   size_t smem;
@@ -344,16 +392,18 @@ inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, int red, bool
   const int64_t nvec = nn / v;
   c.warp = nvec <= 2 * kWarp;
   if (c.warp) {
-    c.rows_per_block = kWarpRows;
     c.block = row_block_max<true>();
+    c.lanes = row_lanes(nvec);
+    c.rows_per_block = c.block / c.lanes;
   } else {
-    c.rows_per_block = 1;
     const int64_t b = (nvec + kWarp - 1) / kWarp * kWarp;
     c.block = (int)std::min<int64_t>(b, row_block_max<false>());
+    c.lanes = c.block;
+    c.rows_per_block = 1;
   }
   const int64_t blocks = std::max<int64_t>(1, (nrows + c.rows_per_block - 1) / c.rows_per_block);
   c.grid = std::min<int64_t>(blocks, column ? kColGrid : (int64_t)INT_MAX);
-  c.smem = (size_t)(red + (int64_t)c.rows_per_block * slots * nn) * csize;
+  c.smem = (size_t)(red + (int64_t)c.rows_per_block * row_region((int64_t)slots * nn, c.lanes)) * csize;
   c.partial_slots = c.grid * c.rows_per_block;
   return c;
 }

@@ -11,10 +11,12 @@ The same graphs as the CPU target (fused or not, any layout the graph carries) b
   host loops.
 * **row kernels** (fused EW/SN groups and single EW/SN operators): one CUDA kernel over rows R x
   inner letters N, the iteration space :mod:`substation.passes.fusion` assigns. A row is handled by
-  one warp (short rows, 4 rows per block) or one block (long rows); every thread owns the same inner
-  elements in every loop of the kernel, so intermediate tensors live in registers inside a loop and
-  in shared-memory row buffers across loops without any barrier, and only row reductions (softmax,
-  layer norm, RMSNorm and their gradients: warp shuffles plus a shared-memory step across warps)
+  lanes of a warp (rows of at most 64 vectors: the smallest power of two of lanes holding the row's
+  vectors, so short rows share a warp; 128-thread blocks) or one block (long rows); every thread
+  owns the same inner elements in every loop of the kernel, so intermediate tensors live in
+  registers inside a loop and in shared-memory row buffers (lane-interleaved, free of bank
+  conflicts) across loops without any barrier, and only row reductions (softmax, layer norm, RMSNorm
+  and their gradients: shuffles among the row's lanes plus a shared-memory step across warps)
   synchronize.
   Along the contiguous inner letter, 16-byte vector loads and stores are used when the launcher
   finds every operand contiguous and aligned (otherwise a scalar instantiation runs). Math is in
@@ -53,7 +55,7 @@ from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
-from .launch import RED_SLOTS, WARP_LANES, WARP_ROWS, RowLaunchPlan, check_fits
+from .launch import RED_SLOTS, RowLaunchPlan, check_fits, row_shared_elements
 
 __all__ = ["generate_cuda", "row_launch_plans", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES",
            "LayoutError"]
@@ -73,10 +75,14 @@ def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
 
 
 # -- row kernels -----------------------------------------------------------------------------------
+#: Where a thread's vector nv_ lies in its row buffers (lane-interleaved: sscuda::buf_pos).
+_BUF_POS = "const sscuda::BufPos bp_ = sscuda::buf_pos<V>(nv_, tid_, G_, nvec_);"
+
 @dataclasses.dataclass
 class _Loop:
     pre: list      # declarations before the loop (accumulators, row-level loads)
     body: list     # statements inside the loop over this thread's vectors
+    shared: bool = False  # whether the body touches a row buffer (needs the buffer position bp_)
 
 
 class _RowKernel(RowEmitter):
@@ -152,6 +158,8 @@ class _RowKernel(RowEmitter):
         self.rows.extend(lp.pre)
         self.rows.append("for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
         self.rows.append("  const int64_t n0_ = nv_ * V;")
+        if lp.shared:
+            self.rows.append(f"  {_BUF_POS}")
         self.rows.extend("  " + s for s in self._inner_index("n0_"))
         self.rows.extend("  " + s for s in lp.body)
         self.rows.append("}")
@@ -184,7 +192,8 @@ class _RowKernel(RowEmitter):
         if t in self.produced or (t in self.loaded and self._buffered(t)):
             if self.plan is not None and not self._buffered(t):
                 raise AssertionError(f"{self.name}: {t} is needed in a later loop but has no buffer")
-            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) r_{t}[l_] = buf_{t}[n0_ + l_];")
+            lp.shared = True
+            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) r_{t}[l_] = buf_{t}[bp_(l_)];")
             return f"r_{t}[l_]"
         if t not in self.graph.tensors:
             raise AssertionError(f"{self.name}: tensor {t} is neither in memory nor produced earlier")
@@ -192,7 +201,8 @@ class _RowKernel(RowEmitter):
         fn = "load" if self.last in op.strides else "load_bcast"
         lp.body.append(f"sscuda::{fn}<V>({t} + ({op.offset()}), r_{t});")
         if self._buffered(t):
-            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+            lp.shared = True
+            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[bp_(l_)] = r_{t}[l_];")
             self.loaded.add(t)
         return f"r_{t}[l_]"
 
@@ -223,12 +233,13 @@ class _RowKernel(RowEmitter):
             if t in self.graph.tensors:
                 lp.body.append(f"sscuda::store<V>({t} + ({self._offset(t, a)}), r_{t});")
             if self._buffered(t):
-                lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+                lp.shared = True
+                lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[bp_(l_)] = r_{t}[l_];")
         if sweep.reductions:  # each thread holds a partial result: combine them across the row's group
             self.reduces = True
             self._close()
             for acc, op in sweep.reductions:
-                self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_);")
+                self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_, G_);")
 
     def _row_read(self, t: str, a: str, ctype: str) -> str:
         return f"sscuda::cvt<{ctype}>({t}[{self._offset(t, a)}])"
@@ -237,7 +248,8 @@ class _RowKernel(RowEmitter):
         self._after(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
 
     def _column(self, t: str) -> str:
-        return f"acc_{t}[n0_ + l_]"
+        self.open_loop().shared = True
+        return f"acc_{t}[bp_(l_)]"
 
     def _index(self, letter: str) -> str:
         return f"(i_{letter} + l_)" if letter == self.last else f"i_{letter}"
@@ -286,8 +298,8 @@ class _RowKernel(RowEmitter):
             self._rows = self._emit_rows({"buffers": self.buffers})
 
     def launch_plan(self) -> RowLaunchPlan:
-        """The shared memory this kernel's launches need at the config's sizes (mirrors
-        ``sscuda::row_cfg``: warp mode for rows of at most 64 vectors, 4 rows per block)."""
+        """The shared memory this kernel's launches need at the config's sizes (the larger of the
+        scalar and the vector instantiation, :func:`~substation.backends.cuda.launch.row_shared_elements`)."""
         self._prepare()
         cfg = self.graph.config
         sizes = cfg.sizes()
@@ -297,10 +309,7 @@ class _RowKernel(RowEmitter):
         nslots = len(self.buffers) + len(self.model.column_outputs)
         csize = 8 if COMPUTE_DTYPES[cfg.dtype] == "float64" else 4
         widths = [1] + ([16 // cfg.itemsize] if self.vector_possible and nn % (16 // cfg.itemsize) == 0 else [])
-        worst = 0
-        for v in widths:
-            rpb = WARP_ROWS if nn // v <= 2 * WARP_LANES else 1
-            worst = max(worst, rpb * nslots * nn + (RED_SLOTS if self.reduces else 0))
+        worst = max(row_shared_elements(nn, v, nslots, self.reduces) for v in widths)
         return RowLaunchPlan(self.name, tuple(m["name"] for m in self.model.members), nn, nslots, self.reduces,
                              worst * csize)
 
@@ -324,22 +333,23 @@ class _RowKernel(RowEmitter):
                f"SS_KERNEL(sscuda::row_block_max<WARP>()) void {k}({', '.join(params)}) {{",
                "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
                f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()}, nvec_ = nn_ / V;",
-               "  const int G_ = WARP ? sscuda::kWarp : (int)SS_BDIM;",
-               "  const int rpb_ = WARP ? (int)SS_BDIM / sscuda::kWarp : 1;",
-               "  const int grp_ = WARP ? (int)SS_TID / sscuda::kWarp : 0;",
-               "  const int tid_ = WARP ? (int)SS_TID % sscuda::kWarp : (int)SS_TID;",
+               "  const sscuda::RowThreads rt_ = sscuda::row_threads<WARP>(nvec_, (int)SS_TID, (int)SS_BDIM);",
+               "  const int G_ = rt_.lanes, tid_ = rt_.lane, grp_ = rt_.group, rpb_ = rt_.groups;",
                "  SS_SMEM(comp_t, smem_);",
                "  comp_t* red_ = smem_; (void)red_;",
-               f"  comp_t* row_mem_ = smem_ + {red} + (int64_t)grp_ * {nslots} * nn_; (void)row_mem_;"]
+               f"  comp_t* row_mem_ = smem_ + {red} + (int64_t)grp_ * sscuda::row_region({nslots} * nn_, G_); "
+               "(void)row_mem_;"]
         for q, t in enumerate(buffers):
             src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
         for q, (t, _) in enumerate(self.model.column_outputs):
             src.append(f"  comp_t* acc_{t} = row_mem_ + (int64_t){len(buffers) + q} * nn_;")
         if ncol:
-            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
+            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
+            src.append(f"    {_BUF_POS}")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
-            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.model.column_outputs]
+            src += [f"      acc_{t}[bp_(l_)] = 0;" for t, _ in self.model.column_outputs]
             src.append("    }")
+            src.append("  }")
         src.append("  for (int64_t row_ = (int64_t)SS_BID * rpb_ + grp_; row_ < nrows_; "
                    "row_ += (int64_t)SS_GDIM * rpb_) {")
         if self.R:
@@ -350,11 +360,13 @@ class _RowKernel(RowEmitter):
         src.append("  }")
         if ncol:
             src.append("  const int64_t slot_ = (int64_t)SS_BID * rpb_ + grp_;")
-            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
+            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
+            src.append(f"    {_BUF_POS}")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
             for q, (t, _) in enumerate(self.model.column_outputs):
-                src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[nv_ * V + l_];")
+                src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[bp_(l_)];")
             src.append("    }")
+            src.append("  }")
         src += ["}", ""]
         # The second pass of the column reductions: columns x slot groups per block, each thread adds
         # a fixed subset of slots in order, then one thread per column adds the groups in order.
