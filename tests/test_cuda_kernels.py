@@ -200,3 +200,26 @@ def test_row_threads_cover_rows_and_buffers_are_conflict_free(layout_report):
     assert layout_report[37, 520, 8, 1, 32, 0][1:3] == (96, 1)  # 65 vectors: a block of 3 warps
     assert layout_report[37, 200, 8, 3, 0, 0][0] == 4 * 4 * 3 * 200  # 25 vectors: 32 lanes, no padding
     assert layout_report[37, 24, 8, 1, 0, 0][0] == 4 * 32 * 36  # 3 vectors: 4 lanes, 32 rows of 24 + 12 padding
+
+
+# -- contractions ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", ["bert-large-b8-l512", "bert-large-b96-l128"])
+def test_every_contraction_is_one_cublas_call(config):
+    """B and H do not merge in the default layout (Q, K, V interleave in QKV): each attention
+    contraction is one pointer-array GEMM of B * H matrices (B = 8, H = 16: 128 in one call, where
+    8 calls of a strided batch of 16 ran before; B = 96: 1 call instead of 16), with no host loop;
+    one kernel writes every pointer array of the run."""
+    cfg = load_config(config).replace(target="cuda", dtype="float16")
+    for phase, src in enumerate(_sources(cfg)):
+        run = src[src.index('extern "C" int substation_run('):]
+        parts = re.split(r"\n  // \S+ \[(\w+)\] \w+: [^\n]*\n", run)
+        gemms = [text for cls, text in zip(parts[1::2], parts[2::2]) if cls == "TC"]
+        assert len(gemms) == (6 if phase == 0 else 12)
+        for text in gemms:
+            assert text.startswith("  SS_CHECK(sscuda::gemm") and text.count("sscuda::gemm") == 1, text
+            assert "\n" not in text, text  # one statement: no loop around it
+        attention = [text for text in gemms if text.startswith("  SS_CHECK(sscuda::gemm_batched<store_t>(")]
+        assert len(attention) == (2 if phase == 0 else 4)
+        assert run.count("sscuda::batch_desc(") == run.count("const int64_t n_[] = {B, H}") == len(attention)
+        assert run.count("SS_CHECK(sscuda::fill_batches(batch_, stream_));") == 1
+        assert "  return (int64_t)sizeof(void*) * 3 * (" + " + ".join(["(B) * (H)"] * len(attention)) + ");" in src

@@ -468,6 +468,15 @@ inline int gemm_cm<double>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, do
       }
   return 0;
 }
+// As cublasGemmBatchedEx: entry q multiplies the matrices at A[q], B[q] into C[q].
+template <typename X>
+inline int gemm_cm_ptr(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* const* A,
+                       int64_t lda, const X* const* B, int64_t ldb, X* const* C, int64_t ldc, int64_t batch,
+                       Stream stream) {
+  for (int64_t q = 0; q < batch; ++q)
+    SS_CHECK(gemm_cm<X>(ta, tb, m, n, k, alpha, A[q], lda, 0, B[q], ldb, 0, C[q], ldc, 0, 1, stream));
+  return 0;
+}
 inline int begin(Stream, void*) { error_buffer()[0] = 0; return 0; }
 inline int finish() { return 0; }
 
@@ -630,6 +639,25 @@ inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
   if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, what);
   return debug_check(what, stream);
 }
+// cublasGemmBatchedEx: entry q multiplies the matrices at A[q], B[q] into C[q] (device arrays of
+// `batch` pointers each).
+template <typename X>
+inline int gemm_cm_ptr(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* const* A,
+                       int64_t lda, const X* const* B, int64_t ldb, X* const* C, int64_t ldc, int64_t batch,
+                       Stream stream) {
+  if (m <= 0 || n <= 0 || batch <= 0) return 0;
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
+    return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
+  typedef typename BlasType<X>::scale S;
+  const S a = (S)alpha, b = (S)0;
+  const cublasStatus_t s = cublasGemmBatchedEx(
+      ctx().handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n, (int)k, &a,
+      reinterpret_cast<const void* const*>(A), BlasType<X>::data, (int)lda, reinterpret_cast<const void* const*>(B),
+      BlasType<X>::data, (int)ldb, &b, reinterpret_cast<void* const*>(C), BlasType<X>::data, (int)ldc, (int)batch,
+      BlasType<X>::compute, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, "cublasGemmBatchedEx");
+  return debug_check("cublasGemmBatchedEx", stream);
+}
 #endif
 
 // Row-major C[m, n] = alpha * op(A)[m, k] op(B)[k, n], as codegen.plan_contraction plans it for
@@ -640,6 +668,75 @@ inline int gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha,
                 int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
                 Stream stream) {
   return gemm_cm<X>(tb, ta, n, m, k, alpha, B, ldb, sb, A, lda, sa, C, ldc, sc, batch, stream);
+}
+
+// ---- batched GEMMs over several batch groups -------------------------------------------------
+// A contraction whose batch letters do not merge into one stride (attention's B and H in the
+// default layouts) is one pointer-array GEMM: entry q = (i_0, ..., i_{groups-1}) (last group
+// fastest) multiplies the matrices at a + sum_g i_g * sa[g] and b + ... into c + .... One kernel at
+// the start of substation_run writes the pointer arrays of every such GEMM into the workspace.
+constexpr int kMaxBatchGroups = 4;
+#ifdef SS_EMULATE
+constexpr int kFillBlock = 1;
+#else
+constexpr int kFillBlock = 256;
+#endif
+template <typename X> struct Batch {
+  const X* a;
+  const X* b;
+  X* c;
+  int groups;
+  int64_t size[kMaxBatchGroups], sa[kMaxBatchGroups], sb[kMaxBatchGroups], sc[kMaxBatchGroups];
+  int64_t count;     // entries: the product of the sizes
+  const X** pa;      // the pointer arrays, count entries each, in the workspace
+  const X** pb;
+  X** pc;
+};
+template <typename X, int N> struct BatchTable { Batch<X> d[N]; };
+
+// Describe batch `d` (`groups` batch groups: sizes and element strides in A, B, C, outermost first)
+// and take its 3 * count pointers from `next`, which advances past them.
+template <typename X>
+inline void batch_desc(Batch<X>& d, void**& next, const X* a, const X* b, X* c, int groups, const int64_t* size,
+                       const int64_t* sa, const int64_t* sb, const int64_t* sc) {
+  d.a = a; d.b = b; d.c = c; d.groups = groups; d.count = 1;
+  for (int g = 0; g < groups; ++g) {
+    d.size[g] = size[g]; d.sa[g] = sa[g]; d.sb[g] = sb[g]; d.sc[g] = sc[g];
+    d.count *= size[g];
+  }
+  d.pa = static_cast<const X**>(static_cast<void*>(next));
+  d.pb = static_cast<const X**>(static_cast<void*>(next + d.count));
+  d.pc = static_cast<X**>(static_cast<void*>(next + 2 * d.count));
+  next += 3 * d.count;
+}
+
+template <typename X, int N> SS_KERNEL(kFillBlock) void fill_batch_pointers(const BatchTable<X, N> t) {
+  for (int i = 0; i < N; ++i) {
+    const Batch<X>& d = t.d[i];
+    for (int64_t q = (int64_t)SS_BID * SS_BDIM + SS_TID; q < d.count; q += (int64_t)SS_GDIM * SS_BDIM) {
+      int64_t rem = q, oa = 0, ob = 0, oc = 0;
+      for (int g = d.groups - 1; g >= 0; --g) {
+        const int64_t ig = rem % d.size[g];
+        rem /= d.size[g];
+        oa += ig * d.sa[g]; ob += ig * d.sb[g]; oc += ig * d.sc[g];
+      }
+      d.pa[q] = d.a + oa;
+      d.pb[q] = d.b + ob;
+      d.pc[q] = d.c + oc;
+    }
+  }
+}
+template <typename X, int N> inline int fill_batches(const BatchTable<X, N>& t, Stream stream) {
+  int64_t most = 0;
+  for (int i = 0; i < N; ++i) most = std::max<int64_t>(most, t.d[i].count);
+  const int64_t grid = std::min<int64_t>((most + kFillBlock - 1) / kFillBlock, 1024);
+  return launch("batch pointers", &fill_batch_pointers<X, N>, grid, kFillBlock, 0, stream, t);
+}
+// Row-major batched C = alpha * op(A) op(B) over batch `d` (see gemm for the operand swap).
+template <typename X>
+inline int gemm_batched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Batch<X>& d,
+                        int64_t lda, int64_t ldb, int64_t ldc, Stream stream) {
+  return gemm_cm_ptr<X>(tb, ta, n, m, k, alpha, d.pb, ldb, d.pa, lda, d.pc, ldc, d.count, stream);
 }
 
 inline int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }

@@ -2,13 +2,10 @@
 
 The same graphs as the CPU target (fused or not, any layout the graph carries) become:
 
-* **contractions** (TC): cuBLAS ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` with float32
-  accumulation (``CUBLAS_COMPUTE_32F``) for float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for
-  float64). The mapping onto a row-major GEMM is :func:`substation.ir.operands.plan_contraction`'s, the
-  one the CPU build uses; the row-major call is turned into cuBLAS's column-major one by swapping the
-  operands. Batch letters whose strides merge become one strided batch; otherwise the largest batch
-  group (chosen at run time, B and J being runtime sizes) is the strided batch and the others are
-  host loops.
+* **contractions** (TC): one cuBLAS call each (:mod:`substation.backends.cuda.contraction`:
+  ``cublasGemmEx``, ``cublasGemmStridedBatchedEx`` where the batch letters' strides merge, else one
+  pointer-array ``cublasGemmBatchedEx``) with float32 accumulation (``CUBLAS_COMPUTE_32F``) for
+  float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for float64).
 * **row kernels** (fused EW/SN groups and single EW/SN operators): one CUDA kernel over rows R x
   inner letters N, the iteration space :mod:`substation.passes.fusion` assigns. A row is handled by
   lanes of a warp (rows of at most 64 vectors: the smallest power of two of lanes holding the row's
@@ -41,8 +38,8 @@ The generated library exports the CPU ABI plus a stream::
 ``args`` are device pointers, one per non-temporary tensor in :attr:`LayerGraph.tensors` order; all
 work is queued on ``stream`` (kernels and cuBLAS); nothing synchronizes with the host.
 ``workspace`` (``substation_workspace_bytes`` bytes, 256-byte aligned, used on ``stream`` only) holds the
-cuBLAS workspace (32 MiB, set with ``cublasSetWorkspace`` on every call), the temporaries and the
-column partial sums.
+cuBLAS workspace (32 MiB, set with ``cublasSetWorkspace`` on every call), the temporaries, the
+pointer arrays of the batched GEMMs and the column partial sums.
 """
 from __future__ import annotations
 
@@ -52,9 +49,10 @@ import re
 import sympy
 
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
-from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
+from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, resolve_operand
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
+from .contraction import ContractionCalls
 from .launch import RED_SLOTS, RowLaunchPlan, check_fits, row_shared_elements
 
 __all__ = ["generate_cuda", "row_launch_plans", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES",
@@ -425,71 +423,6 @@ class _RowKernel(RowEmitter):
         return src, launch, ws
 
 
-# -- contractions ----------------------------------------------------------------------------------
-def _merge_batch(plan) -> list[tuple[list[str], object, object, object, object]]:
-    """Merge adjacent batch letters whose strides nest in all three operands: groups of
-    (letters, size, stride in A, B, C), outermost first."""
-    groups = []
-    for x, sa, sb, sc in plan.batch:
-        if groups:
-            letters, size, ga, gb, gc = groups[-1]
-            n = dim_symbol(x)
-            ok = all(sympy.simplify((g - s * n).subs(sympy.Symbol("K"), sympy.Symbol("J"))) == 0
-                     for g, s in ((ga, sa), (gb, sb), (gc, sc)))
-            if ok:
-                groups[-1] = (letters + [x], size * n, sa, sb, sc)
-                continue
-        groups.append(([x], dim_symbol(x), sa, sb, sc))
-    return groups
-
-
-def _emit_contraction(gen: "_Generator", op: Operator) -> list[str]:
-    ops = {conn: resolve_operand(gen.graph, t, a) for conn, (t, a) in gen.graph.operands(op).items()}
-    out = ops.pop("y")
-    a, b = ops.values()
-    plan = plan_contraction(a, b, out, op.label)
-    alpha = op.attrs.get("alpha", 1.0)
-    base = {w: (c_expr(o.base) if o.base != 0 else "0") for w, o in (("a", plan.a), ("b", plan.b), ("c", out))}
-    groups = _merge_batch(plan)
-
-    def call(batch_group, loop_groups, loop_vars):
-        def off(w, idx):
-            terms = [base[w]] + [f"{v} * ({c_expr(g[2 + idx])})" for v, g in zip(loop_vars, loop_groups)]
-            return " + ".join(t for t in terms if t != "0") or "0"
-        if batch_group is None:
-            count, sa, sb, sc = "1", "0", "0", "0"
-        else:
-            count = c_expr(batch_group[1])
-            sa, sb, sc = (c_expr(s) for s in batch_group[2:])
-        return (f"SS_CHECK(sscuda::gemm<store_t>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, "
-                f"{c_expr(plan.m)}, {c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}, "
-                f"{plan.a.name} + ({off('a', 0)}), {c_expr(plan.lda)}, {sa}, "
-                f"{plan.b.name} + ({off('b', 1)}), {c_expr(plan.ldb)}, {sb}, "
-                f"{plan.c.name} + ({off('c', 2)}), {c_expr(plan.ldc)}, {sc}, {count}, stream_));")
-
-    lines = []
-    if not groups:
-        lines.append(call(None, [], []))
-    elif len(groups) == 1:
-        lines.append(call(groups[0], [], []))
-    else:
-        # The largest group (sizes known only at run time) is the strided batch; loop over the rest.
-        lines.append("const int64_t gs_[] = {" + ", ".join(c_expr(g[1]) for g in groups) + "};")
-        lines.append("int best_ = 0;")
-        lines.append(f"for (int q_ = 1; q_ < {len(groups)}; ++q_) if (gs_[q_] > gs_[best_]) best_ = q_;")
-        for i, g in enumerate(groups):
-            rest = [h for j, h in enumerate(groups) if j != i]
-            vars_ = [f"b{j}_" for j, _ in enumerate(groups) if j != i]
-            lines.append(f"{'if' if i == 0 else 'else if'} (best_ == {i}) {{")
-            depth = 1
-            for v, h in zip(vars_, rest):
-                lines.append("  " * depth + f"for (int64_t {v} = 0; {v} < {c_expr(h[1])}; ++{v})")
-                depth += 1
-            lines.append("  " * depth + call(g, rest, vars_))
-            lines.append("}")
-    return lines
-
-
 # -- the translation unit --------------------------------------------------------------------------
 class _Generator:
     def __init__(self, graph: LayerGraph):
@@ -534,7 +467,8 @@ def generate_cuda(graph: LayerGraph) -> str:
     :func:`substation.build_cuda.build_cuda_library`.
 
     Raises:
-        LayoutError: a contraction's operand layouts need an explicit transpose.
+        LayoutError: a contraction's operand layouts need an explicit transpose, or give more batch
+            groups than a batched GEMM takes (:mod:`substation.backends.cuda.contraction`).
         RowTooLongError: a row kernel's rows at the config's sizes (J = K = ``max_seq_len``) need more
             shared memory than a block has on ``cuda_arch`` (the message names the kernel and the bytes;
             longer sequences than ``max_seq_len`` are checked at launch).
@@ -544,15 +478,14 @@ def generate_cuda(graph: LayerGraph) -> str:
     if cfg.dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype {cfg.dtype!r} has no CUDA implementation (one of {', '.join(STORAGE_TYPES)})")
     gen = _Generator(graph)
+    gemms = ContractionCalls(graph)
     sizes = cfg.sizes()
     kernels, body, ws_parts = [], [], []
     for n, op in enumerate(graph.operators()):
         body.append(f"// {op.label} [{op.op_class}] {op.kind}: "
                     + ", ".join(f"{c}={t}[{a}]" for c, (t, a) in sorted(graph.operands(op).items())))
         if op.kind == "contraction":
-            body.append("{")
-            body += ["  " + s for s in _emit_contraction(gen, op)]
-            body.append("}")
+            body.append(gemms.call(op))
             continue
         rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
         check_fits(graph.config, rk.launch_plan())
@@ -583,6 +516,10 @@ def generate_cuda(graph: LayerGraph) -> str:
         "  (void)B; (void)J; (void)K;",
         f"  return {partial};",
         "}",
+        "int64_t batch_pointer_bytes(const int64_t B, const int64_t J, const int64_t K) {",
+        "  (void)B; (void)J; (void)K;",
+        f"  return {gemms.pointer_bytes()};",
+        "}",
         "}  // namespace",
         "",
         'extern "C" const char* substation_signature() {',
@@ -595,6 +532,7 @@ def generate_cuda(graph: LayerGraph) -> str:
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  int64_t total = sscuda::align_up(sscuda::kBlasWorkspace);",
         *(f"  total += sscuda::align_up((int64_t){item[gen.ctype(t.name)]} * {_numel(t.dims)});" for t in temps),
+        "  total += sscuda::align_up(batch_pointer_bytes(B, J, K));",
         "  total += sscuda::align_up(partial_bytes(B, J, K));",
         "  return total;",
         "}",
@@ -614,7 +552,10 @@ def generate_cuda(graph: LayerGraph) -> str:
         ct = gen.ctype(t.name)
         src.append(f"  {ct}* {t.name} = reinterpret_cast<{ct}*>(ws_); "
                    f"ws_ += sscuda::align_up((int64_t){item[ct]} * {_numel(t.dims)});")
+    src.append("  void** batch_next_ = reinterpret_cast<void**>(ws_); (void)batch_next_;")
+    src.append("  ws_ += sscuda::align_up(batch_pointer_bytes(B, J, K));")
     src.append("  comp_t* part_ = reinterpret_cast<comp_t*>(ws_); (void)part_;")
+    src += ["  " + s for s in gemms.setup()]
     src += ["  " + s for s in body]
     src += ["  return sscuda::finish();", "}", ""]
     return "\n".join(src)
