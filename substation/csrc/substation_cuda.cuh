@@ -143,8 +143,8 @@ template <> struct Store<__nv_bfloat16> {
 template <typename X, typename C> SS_HD X to_x(C v) { return Store<X>::from(v); }
 
 // ---- vector memory access --------------------------------------------------------------------
-// V consecutive elements starting at p (aligned to V * sizeof(X) bytes when V > 1: the launcher
-// checks alignment before it picks a vector instantiation), converted to the compute type.
+// V consecutive elements starting at p (V = 1, or V * sizeof(X) = 16 bytes aligned to 16: the
+// launcher checks alignment before it picks a vector instantiation), converted to the compute type.
 template <typename X, int V> struct alignas(sizeof(X) * V) Pack { X v[V]; };
 
 template <int V, typename X, typename C> SS_DEV void load(const X* __restrict__ p, C* out) {
@@ -171,13 +171,18 @@ template <int V, typename X, typename C> SS_DEV void store(X* __restrict__ p, co
   if constexpr (V == 1) {
     p[0] = to_x<X>(in[0]);
   } else {
+    static_assert(sizeof(Pack<X, V>) == 16, "vectors are 16 bytes");
     Pack<X, V> pk;
     SS_UNROLL
     for (int l = 0; l < V; ++l) pk.v[l] = to_x<X>(in[l]);
 #ifdef SS_EMULATE
     std::memcpy(p, &pk, sizeof(pk));
 #else
-    *reinterpret_cast<Pack<X, V>*>(p) = pk;
+    // One st.global.v4 through __stwb: a plain store of the Pack (or of a uint4) may be split into
+    // 2- and 4-byte stores (k1_input_bias: 6 st.global.u16 + 1 v2.u16 per vector).
+    uint4 w;
+    std::memcpy(&w, &pk, sizeof(w));
+    __stwb(reinterpret_cast<uint4*>(p), w);
 #endif
   }
 }
@@ -278,57 +283,105 @@ template <typename T> SS_HD T gelu_tanh_grad(T x) {
 template <typename T> SS_HD T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> SS_HD T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }
 
+// ---- row-kernel thread layout -----------------------------------------------------------------
+// A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
+// (nvec <= 2 warps) run in warp mode: `row_lanes(nvec)` lanes per row, the smallest power of two
+// holding the row's vectors (at most a warp), so a row of 16 vectors takes half a warp and two rows
+// share it; a block of kWarpRows warps holds kWarpRows * kWarp / lanes rows. Longer rows get one
+// block each (a multiple of 32 threads, at most kMaxBlock).
+SS_HD int row_lanes(int64_t nvec) {
+  int lanes = 1;
+  while (lanes < kWarp && lanes < nvec) lanes *= 2;
+  return lanes;
+}
+// The threads of one row: `lanes` of them, this thread's `lane` among them, its row `group` in the
+// block and the `groups` (rows) per block. Warp-mode groups are aligned runs of lanes in a warp.
+struct RowThreads { int lanes, lane, group, groups; };
+template <bool WARP> SS_HD RowThreads row_threads(int64_t nvec, int tid, int bdim) {
+  if (!WARP) return {bdim, tid, 0, 1};
+  const int lanes = row_lanes(nvec);
+  return {lanes, tid % lanes, tid / lanes, bdim / lanes};
+}
+// The lanes of the calling thread's aligned group of `lanes` (a power of two) in its warp, as a
+// shuffle mask: the other rows of a warp may have left their loop.
+SS_HD unsigned lane_mask(int lanes, int lane_in_warp) {
+  return lanes >= kWarp ? 0xffffffffu : ((1u << lanes) - 1u) << (lane_in_warp & ~(lanes - 1));
+}
+// Shared-memory row buffers are lane-interleaved, so that a warp's accesses fall in distinct banks:
+// element l of a thread's vector nv sits at first * V + l * n + lane, where first = nv - lane is the
+// round's first vector and n = min(lanes, nvec - first) the lanes the round uses (a bijection onto
+// [0, nvec * V)); a thread keeps its own elements across loops, so no barrier is needed.
+struct BufPos {
+  int64_t base, stride;
+  SS_HD int64_t operator()(int l) const { return base + l * stride; }
+};
+template <int V> SS_HD BufPos buf_pos(int64_t nv, int lane, int lanes, int64_t nvec) {
+  const int64_t first = nv - lane, left = nvec - first;  // (std::min is host-only)
+  return {first * V + lane, left < lanes ? left : (int64_t)lanes};
+}
+// Shared elements of one row group: its `elems` buffer elements, padded in warp mode so that the
+// groups of one warp start `lanes` banks apart (their accesses then never share a bank).
+SS_HD int64_t row_region(int64_t elems, int lanes) {
+  if (elems == 0 || lanes >= kWarp) return elems;
+  return elems + ((lanes - elems) % kWarp + kWarp) % kWarp;
+}
+
 // ---- reductions ------------------------------------------------------------------------------
-template <typename T> SS_DEV T shfl_xor(T v, int offset) {
+template <typename T> SS_DEV T shfl_xor(T v, int offset, unsigned mask) {
 #ifdef SS_EMULATE
-  (void)offset;
+  (void)offset; (void)mask;
   return v;
 #else
-  return __shfl_xor_sync(0xffffffffu, v, offset);
+  return __shfl_xor_sync(mask, v, offset);
 #endif
 }
-template <typename T> SS_DEV T warp_sum(T v) {
+// Sum (max) over the calling thread's aligned group of `lanes` lanes (a power of two, at most kWarp).
+template <typename T> SS_DEV T warp_sum(T v, int lanes) {
+  const unsigned mask = lane_mask(lanes, (int)SS_TID % kWarp);
   SS_UNROLL
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += shfl_xor(v, o);
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < lanes) v += shfl_xor(v, o, mask);
   return v;
 }
-template <typename T> SS_DEV T warp_max(T v) {
+template <typename T> SS_DEV T warp_max(T v, int lanes) {
+  const unsigned mask = lane_mask(lanes, (int)SS_TID % kWarp);
   SS_UNROLL
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = max_(v, shfl_xor(v, o));
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < lanes) v = max_(v, shfl_xor(v, o, mask));
   return v;
 }
-// All-reduce over the threads that share a row: one warp (WARP) or the whole block. Every thread of
-// the group must call it (block mode synchronizes the block); `red` is 32 elements of shared memory.
-// The leading barrier keeps a previous reduction's readers from seeing `red` overwritten.
-template <bool WARP, typename T> SS_DEV T group_sum(T v, T* red) {
-  v = warp_sum(v);
-  if (WARP) return v;
+// All-reduce over the threads that share a row: `lanes` lanes of a warp (WARP) or the whole block.
+// Every thread of the group must call it (block mode synchronizes the block); `red` is 32 elements
+// of shared memory. The leading barrier keeps a previous reduction's readers from seeing `red`
+// overwritten.
+template <bool WARP, typename T> SS_DEV T group_sum(T v, T* red, int lanes) {
+  if (WARP) return warp_sum(v, lanes);
+  v = warp_sum(v, kWarp);
   const int lane = (int)SS_TID % kWarp, w = (int)SS_TID / kWarp, nw = ((int)SS_BDIM + kWarp - 1) / kWarp;
   SS_SYNC();
   if (lane == 0) red[w] = v;
   SS_SYNC();
-  return warp_sum(lane < nw ? red[lane] : T(0));
+  return warp_sum(lane < nw ? red[lane] : T(0), kWarp);
 }
-template <bool WARP, typename T> SS_DEV T group_max(T v, T* red) {
-  v = warp_max(v);
-  if (WARP) return v;
+template <bool WARP, typename T> SS_DEV T group_max(T v, T* red, int lanes) {
+  if (WARP) return warp_max(v, lanes);
+  v = warp_max(v, kWarp);
   const int lane = (int)SS_TID % kWarp, w = (int)SS_TID / kWarp, nw = ((int)SS_BDIM + kWarp - 1) / kWarp;
   SS_SYNC();
   if (lane == 0) red[w] = v;
   SS_SYNC();
-  return warp_max(lane < nw ? red[lane] : T(-INFINITY));
+  return warp_max(lane < nw ? red[lane] : T(-INFINITY), kWarp);
 }
 
 // ---- row-kernel launch configuration ---------------------------------------------------------
-// A row kernel runs rows x inner elements; `nvec` = inner elements / vector width. Short rows
-// (nvec <= 2 warps) get one warp each, kWarpRows rows per block; longer rows one block each
-// (a multiple of 32 threads, at most kMaxBlock). Dynamic shared memory, in elements of the compute
-// type: `red` reduction slots (32 for a kernel that reduces rows, else 0) plus, per row in flight,
-// `slots` row-long arrays (buffers of intermediate tensors and column accumulators); an element-wise
-// kernel without buffers reserves none.
+// Dynamic shared memory, in elements of the compute type: `red` reduction slots (32 for a kernel
+// that reduces rows, else 0) plus, per row in flight, a `row_region` of `slots` row-long arrays
+// (buffers of intermediate tensors and column accumulators); an element-wise kernel without buffers
+// reserves none.
 struct RowCfg {
   int64_t grid;
   int block;
+  int lanes;               // threads per row
   int rows_per_block;
   bool warp;
   size_t smem;
@@ -339,16 +392,18 @@ inline RowCfg row_cfg(int64_t nrows, int64_t nn, int v, int slots, int red, bool
   const int64_t nvec = nn / v;
   c.warp = nvec <= 2 * kWarp;
   if (c.warp) {
-    c.rows_per_block = kWarpRows;
     c.block = row_block_max<true>();
+    c.lanes = row_lanes(nvec);
+    c.rows_per_block = c.block / c.lanes;
   } else {
-    c.rows_per_block = 1;
     const int64_t b = (nvec + kWarp - 1) / kWarp * kWarp;
     c.block = (int)std::min<int64_t>(b, row_block_max<false>());
+    c.lanes = c.block;
+    c.rows_per_block = 1;
   }
   const int64_t blocks = std::max<int64_t>(1, (nrows + c.rows_per_block - 1) / c.rows_per_block);
   c.grid = std::min<int64_t>(blocks, column ? kColGrid : (int64_t)INT_MAX);
-  c.smem = (size_t)(red + (int64_t)c.rows_per_block * slots * nn) * csize;
+  c.smem = (size_t)(red + (int64_t)c.rows_per_block * row_region((int64_t)slots * nn, c.lanes)) * csize;
   c.partial_slots = c.grid * c.rows_per_block;
   return c;
 }
@@ -411,6 +466,15 @@ inline int gemm_cm<double>(bool ta, bool tb, int64_t m, int64_t n, int64_t k, do
                  (tb ? B[q * sb + j + p * ldb] : B[q * sb + p + j * ldb]);
         C[q * sc + i + j * ldc] = alpha * acc;
       }
+  return 0;
+}
+// As cublasGemmBatchedEx: entry q multiplies the matrices at A[q], B[q] into C[q].
+template <typename X>
+inline int gemm_cm_ptr(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* const* A,
+                       int64_t lda, const X* const* B, int64_t ldb, X* const* C, int64_t ldc, int64_t batch,
+                       Stream stream) {
+  for (int64_t q = 0; q < batch; ++q)
+    SS_CHECK(gemm_cm<X>(ta, tb, m, n, k, alpha, A[q], lda, 0, B[q], ldb, 0, C[q], ldc, 0, 1, stream));
   return 0;
 }
 inline int begin(Stream, void*) { error_buffer()[0] = 0; return 0; }
@@ -575,6 +639,25 @@ inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
   if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, what);
   return debug_check(what, stream);
 }
+// cublasGemmBatchedEx: entry q multiplies the matrices at A[q], B[q] into C[q] (device arrays of
+// `batch` pointers each).
+template <typename X>
+inline int gemm_cm_ptr(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const X* const* A,
+                       int64_t lda, const X* const* B, int64_t ldb, X* const* C, int64_t ldc, int64_t batch,
+                       Stream stream) {
+  if (m <= 0 || n <= 0 || batch <= 0) return 0;
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
+    return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
+  typedef typename BlasType<X>::scale S;
+  const S a = (S)alpha, b = (S)0;
+  const cublasStatus_t s = cublasGemmBatchedEx(
+      ctx().handle, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n, (int)k, &a,
+      reinterpret_cast<const void* const*>(A), BlasType<X>::data, (int)lda, reinterpret_cast<const void* const*>(B),
+      BlasType<X>::data, (int)ldb, &b, reinterpret_cast<void* const*>(C), BlasType<X>::data, (int)ldc, (int)batch,
+      BlasType<X>::compute, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) return blas_fail(s, "cublasGemmBatchedEx");
+  return debug_check("cublasGemmBatchedEx", stream);
+}
 #endif
 
 // Row-major C[m, n] = alpha * op(A)[m, k] op(B)[k, n], as codegen.plan_contraction plans it for
@@ -585,6 +668,75 @@ inline int gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha,
                 int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
                 Stream stream) {
   return gemm_cm<X>(tb, ta, n, m, k, alpha, B, ldb, sb, A, lda, sa, C, ldc, sc, batch, stream);
+}
+
+// ---- batched GEMMs over several batch groups -------------------------------------------------
+// A contraction whose batch letters do not merge into one stride (attention's B and H in the
+// default layouts) is one pointer-array GEMM: entry q = (i_0, ..., i_{groups-1}) (last group
+// fastest) multiplies the matrices at a + sum_g i_g * sa[g] and b + ... into c + .... One kernel at
+// the start of substation_run writes the pointer arrays of every such GEMM into the workspace.
+constexpr int kMaxBatchGroups = 4;
+#ifdef SS_EMULATE
+constexpr int kFillBlock = 1;
+#else
+constexpr int kFillBlock = 256;
+#endif
+template <typename X> struct Batch {
+  const X* a;
+  const X* b;
+  X* c;
+  int groups;
+  int64_t size[kMaxBatchGroups], sa[kMaxBatchGroups], sb[kMaxBatchGroups], sc[kMaxBatchGroups];
+  int64_t count;     // entries: the product of the sizes
+  const X** pa;      // the pointer arrays, count entries each, in the workspace
+  const X** pb;
+  X** pc;
+};
+template <typename X, int N> struct BatchTable { Batch<X> d[N]; };
+
+// Describe batch `d` (`groups` batch groups: sizes and element strides in A, B, C, outermost first)
+// and take its 3 * count pointers from `next`, which advances past them.
+template <typename X>
+inline void batch_desc(Batch<X>& d, void**& next, const X* a, const X* b, X* c, int groups, const int64_t* size,
+                       const int64_t* sa, const int64_t* sb, const int64_t* sc) {
+  d.a = a; d.b = b; d.c = c; d.groups = groups; d.count = 1;
+  for (int g = 0; g < groups; ++g) {
+    d.size[g] = size[g]; d.sa[g] = sa[g]; d.sb[g] = sb[g]; d.sc[g] = sc[g];
+    d.count *= size[g];
+  }
+  d.pa = static_cast<const X**>(static_cast<void*>(next));
+  d.pb = static_cast<const X**>(static_cast<void*>(next + d.count));
+  d.pc = static_cast<X**>(static_cast<void*>(next + 2 * d.count));
+  next += 3 * d.count;
+}
+
+template <typename X, int N> SS_KERNEL(kFillBlock) void fill_batch_pointers(const BatchTable<X, N> t) {
+  for (int i = 0; i < N; ++i) {
+    const Batch<X>& d = t.d[i];
+    for (int64_t q = (int64_t)SS_BID * SS_BDIM + SS_TID; q < d.count; q += (int64_t)SS_GDIM * SS_BDIM) {
+      int64_t rem = q, oa = 0, ob = 0, oc = 0;
+      for (int g = d.groups - 1; g >= 0; --g) {
+        const int64_t ig = rem % d.size[g];
+        rem /= d.size[g];
+        oa += ig * d.sa[g]; ob += ig * d.sb[g]; oc += ig * d.sc[g];
+      }
+      d.pa[q] = d.a + oa;
+      d.pb[q] = d.b + ob;
+      d.pc[q] = d.c + oc;
+    }
+  }
+}
+template <typename X, int N> inline int fill_batches(const BatchTable<X, N>& t, Stream stream) {
+  int64_t most = 0;
+  for (int i = 0; i < N; ++i) most = std::max<int64_t>(most, t.d[i].count);
+  const int64_t grid = std::min<int64_t>((most + kFillBlock - 1) / kFillBlock, 1024);
+  return launch("batch pointers", &fill_batch_pointers<X, N>, grid, kFillBlock, 0, stream, t);
+}
+// Row-major batched C = alpha * op(A) op(B) over batch `d` (see gemm for the operand swap).
+template <typename X>
+inline int gemm_batched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const Batch<X>& d,
+                        int64_t lda, int64_t ldb, int64_t ldc, Stream stream) {
+  return gemm_cm_ptr<X>(tb, ta, n, m, k, alpha, d.pb, ldb, d.pa, lda, d.pc, ldc, d.count, stream);
 }
 
 inline int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }

@@ -15,11 +15,13 @@ Toolchain (found by :func:`cuda_toolchain`):
   directly (``-Xlinker <path>``), so no unversioned link is needed, and an rpath records its folder.
   At run time a process that already loaded PyTorch's cuBLAS of the same major version shares it.
 
-Flags: ``nvcc -O3 -std=c++17 -gencode arch=compute_NN,code=[sm_NN,compute_NN] -Xcompiler -fPIC
--shared -cudart shared`` for the config's ``cuda_arch`` (default ``sm_90``: H100/H200), plus the
-cuBLAS library. ``emulate=True`` compiles the same source with the host C++ compiler and
-``-DSS_EMULATE`` instead (see ``csrc/substation_cuda.cuh``): a sequential CPU emulation for tests on
-machines without a GPU; it needs only the toolkit's headers (``cuda_fp16.h``), not cuBLAS.
+Flags: ``nvcc -O3 -std=c++17 -DNDEBUG --diag-error=20011,20013 -gencode
+arch=compute_NN,code=[sm_NN,compute_NN] -Xcompiler -fPIC -shared -cudart shared`` for the config's
+``cuda_arch`` (default ``sm_90``: H100/H200), plus the cuBLAS library (device code calling a host
+function is an error, not a warning). ``emulate=True`` compiles the same source with the host C++
+compiler and ``-DSS_EMULATE`` instead (see ``csrc/substation_cuda.cuh``): a sequential CPU emulation
+for tests on machines without a GPU; it needs only the toolkit's headers (``cuda_fp16.h``), not
+cuBLAS.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from ...version import __version__
 from ..cpu.build import BuildError, BuildResult, ToolchainError, cached_build, find_cxx
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
-           "emulation_toolchain", "arch_number", "KernelResources", "ptxas_resources"]
+           "emulation_toolchain", "arch_number", "KernelResources", "ptxas_resources", "ptx_entries"]
 
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([a-z]?)$")
 #: Toolkit folders searched for bin/nvcc after PATH, $CUDA_HOME and $CUDA_PATH.
@@ -203,7 +205,9 @@ def nvcc_flags(arch: str = "sm_90") -> list[str]:
         ValueError: a malformed ``arch``.
     """
     n = arch_number(arch)
-    return ["-O3", "-std=c++17", "-DNDEBUG", f"-gencode=arch=compute_{n},code=sm_{n}",
+    # Device code calling a host function (std::min in a __host__ __device__ helper) is only a
+    # warning by default, and nvcc then compiles the call into wrong code: make it an error.
+    return ["-O3", "-std=c++17", "-DNDEBUG", "--diag-error=20011,20013", f"-gencode=arch=compute_{n},code=sm_{n}",
             f"-gencode=arch=compute_{n},code=compute_{n}", "-Xcompiler", "-fPIC", "-shared", "-cudart", "shared"]
 
 
@@ -330,6 +334,27 @@ def _demangle(names: list[str]) -> list[str]:
     return res
 
 
+def _compile_device(source: str, arch: str, mode: list[str], suffix: str) -> tuple[str, str]:
+    """Compile generated CUDA ``source`` for ``arch`` with the flags of :func:`nvcc_flags` (no link,
+    nothing cached) plus ``mode``; returns (compiler output, text of the output file or "")."""
+    tc = cuda_toolchain()
+    tc.require_cublas()
+    flags = [f for f in nvcc_flags(arch) if f not in ("-shared", "-cudart", "shared") and "code=compute_" not in f]
+    with tempfile.TemporaryDirectory(prefix="substation-nvcc-") as tmp:
+        src, out = os.path.join(tmp, "source.cu"), os.path.join(tmp, "source" + suffix)
+        with open(src, "w") as f:
+            f.write(source)
+        cmd = [tc.nvcc, *flags, *mode, f"-I{csrc_dir()}", f"-I{tc.cublas_include}", src, "-o", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"compiling {' '.join(mode)} failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}")
+        text = ""
+        if suffix == ".ptx":
+            with open(out) as f:
+                text = f.read()
+    return proc.stdout + proc.stderr, text
+
+
 def ptxas_resources(source: str, arch: str = "sm_90") -> list[KernelResources]:
     """Compile generated CUDA ``source`` to an object file for ``arch`` (the flags of
     :func:`nvcc_flags`, no link, nothing cached) with ``-Xptxas -v`` and return the register and
@@ -340,20 +365,9 @@ def ptxas_resources(source: str, arch: str = "sm_90") -> list[KernelResources]:
         BuildError: the compiler failed.
         ValueError: a malformed ``arch``.
     """
-    tc = cuda_toolchain()
-    tc.require_cublas()
-    flags = [f for f in nvcc_flags(arch) if f not in ("-shared", "-cudart", "shared") and "code=compute_" not in f]
-    with tempfile.TemporaryDirectory(prefix="substation-ptxas-") as tmp:
-        src = os.path.join(tmp, "source.cu")
-        with open(src, "w") as f:
-            f.write(source)
-        cmd = [tc.nvcc, *flags, "-Xptxas", "-v", f"-I{csrc_dir()}", f"-I{tc.cublas_include}", "-c", src,
-               "-o", os.path.join(tmp, "source.o")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BuildError(f"compiling for ptxas resources failed ({' '.join(cmd)}):\n{proc.stderr[-6000:]}")
+    log, _ = _compile_device(source, arch, ["-Xptxas", "-v", "-c"], ".o")
     entries: list[list] = []  # [mangled name, registers, spill stores, spill loads, stack]
-    for line in (proc.stdout + proc.stderr).splitlines():
+    for line in log.splitlines():
         m = _ENTRY_RE.search(line)
         if m:
             entries.append([m.group(1), 0, 0, 0, 0])
@@ -368,3 +382,20 @@ def ptxas_resources(source: str, arch: str = "sm_90") -> list[KernelResources]:
             entries[-1][1] = int(m.group(1))
     names = _demangle([e[0] for e in entries])
     return [KernelResources(n, e[1], e[2], e[3], e[4]) for n, e in zip(names, entries)]
+
+
+_PTX_ENTRY_RE = re.compile(r"^(?:\.visible )?\.entry (\S+)\(", re.M)
+
+
+def ptx_entries(source: str, arch: str = "sm_90") -> dict[str, str]:
+    """The PTX of every kernel entry of generated CUDA ``source`` for ``arch`` (``nvcc -ptx``, the
+    flags of :func:`nvcc_flags`), by demangled name (``k1_input_bias<8, true>``): the text from the
+    entry's parameter list to the next entry, for counting instructions.
+
+    Raises:
+        ToolchainError, BuildError, ValueError: as :func:`ptxas_resources`.
+    """
+    _, text = _compile_device(source, arch, ["-ptx"], ".ptx")
+    parts = _PTX_ENTRY_RE.split(text)
+    names = _demangle(parts[1::2])
+    return dict(zip(names, parts[2::2]))

@@ -2,19 +2,18 @@
 
 The same graphs as the CPU target (fused or not, any layout the graph carries) become:
 
-* **contractions** (TC): cuBLAS ``cublasGemmEx`` / ``cublasGemmStridedBatchedEx`` with float32
-  accumulation (``CUBLAS_COMPUTE_32F``) for float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for
-  float64). The mapping onto a row-major GEMM is :func:`substation.ir.operands.plan_contraction`'s, the
-  one the CPU build uses; the row-major call is turned into cuBLAS's column-major one by swapping the
-  operands. Batch letters whose strides merge become one strided batch; otherwise the largest batch
-  group (chosen at run time, B and J being runtime sizes) is the strided batch and the others are
-  host loops.
+* **contractions** (TC): one cuBLAS call each (:mod:`substation.backends.cuda.contraction`:
+  ``cublasGemmEx``, ``cublasGemmStridedBatchedEx`` where the batch letters' strides merge, else one
+  pointer-array ``cublasGemmBatchedEx``) with float32 accumulation (``CUBLAS_COMPUTE_32F``) for
+  float32, float16 and bfloat16 (``CUBLAS_COMPUTE_64F`` for float64).
 * **row kernels** (fused EW/SN groups and single EW/SN operators): one CUDA kernel over rows R x
   inner letters N, the iteration space :mod:`substation.passes.fusion` assigns. A row is handled by
-  one warp (short rows, 4 rows per block) or one block (long rows); every thread owns the same inner
-  elements in every loop of the kernel, so intermediate tensors live in registers inside a loop and
-  in shared-memory row buffers across loops without any barrier, and only row reductions (softmax,
-  layer norm, RMSNorm and their gradients: warp shuffles plus a shared-memory step across warps)
+  lanes of a warp (rows of at most 64 vectors: the smallest power of two of lanes holding the row's
+  vectors, so short rows share a warp; 128-thread blocks) or one block (long rows); every thread
+  owns the same inner elements in every loop of the kernel, so intermediate tensors live in
+  registers inside a loop and in shared-memory row buffers (lane-interleaved, free of bank
+  conflicts) across loops without any barrier, and only row reductions (softmax, layer norm, RMSNorm
+  and their gradients: shuffles among the row's lanes plus a shared-memory step across warps)
   synchronize.
   Along the contiguous inner letter, 16-byte vector loads and stores are used when the launcher
   finds every operand contiguous and aligned (otherwise a scalar instantiation runs). Math is in
@@ -39,8 +38,8 @@ The generated library exports the CPU ABI plus a stream::
 ``args`` are device pointers, one per non-temporary tensor in :attr:`LayerGraph.tensors` order; all
 work is queued on ``stream`` (kernels and cuBLAS); nothing synchronizes with the host.
 ``workspace`` (``substation_workspace_bytes`` bytes, 256-byte aligned, used on ``stream`` only) holds the
-cuBLAS workspace (32 MiB, set with ``cublasSetWorkspace`` on every call), the temporaries and the
-column partial sums.
+cuBLAS workspace (32 MiB, set with ``cublasSetWorkspace`` on every call), the temporaries, the
+pointer arrays of the batched GEMMs and the column partial sums.
 """
 from __future__ import annotations
 
@@ -50,10 +49,11 @@ import re
 import sympy
 
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
-from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, plan_contraction, resolve_operand
+from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, resolve_operand
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
-from .launch import RED_SLOTS, WARP_LANES, WARP_ROWS, RowLaunchPlan, check_fits
+from .contraction import ContractionCalls
+from .launch import RED_SLOTS, RowLaunchPlan, check_fits, row_shared_elements
 
 __all__ = ["generate_cuda", "row_launch_plans", "tensor_dtypes", "stat_tensors", "STORAGE_TYPES", "COMPUTE_DTYPES",
            "LayoutError"]
@@ -73,10 +73,14 @@ def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
 
 
 # -- row kernels -----------------------------------------------------------------------------------
+#: Where a thread's vector nv_ lies in its row buffers (lane-interleaved: sscuda::buf_pos).
+_BUF_POS = "const sscuda::BufPos bp_ = sscuda::buf_pos<V>(nv_, tid_, G_, nvec_);"
+
 @dataclasses.dataclass
 class _Loop:
     pre: list      # declarations before the loop (accumulators, row-level loads)
     body: list     # statements inside the loop over this thread's vectors
+    shared: bool = False  # whether the body touches a row buffer (needs the buffer position bp_)
 
 
 class _RowKernel(RowEmitter):
@@ -152,6 +156,8 @@ class _RowKernel(RowEmitter):
         self.rows.extend(lp.pre)
         self.rows.append("for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
         self.rows.append("  const int64_t n0_ = nv_ * V;")
+        if lp.shared:
+            self.rows.append(f"  {_BUF_POS}")
         self.rows.extend("  " + s for s in self._inner_index("n0_"))
         self.rows.extend("  " + s for s in lp.body)
         self.rows.append("}")
@@ -184,7 +190,8 @@ class _RowKernel(RowEmitter):
         if t in self.produced or (t in self.loaded and self._buffered(t)):
             if self.plan is not None and not self._buffered(t):
                 raise AssertionError(f"{self.name}: {t} is needed in a later loop but has no buffer")
-            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) r_{t}[l_] = buf_{t}[n0_ + l_];")
+            lp.shared = True
+            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) r_{t}[l_] = buf_{t}[bp_(l_)];")
             return f"r_{t}[l_]"
         if t not in self.graph.tensors:
             raise AssertionError(f"{self.name}: tensor {t} is neither in memory nor produced earlier")
@@ -192,7 +199,8 @@ class _RowKernel(RowEmitter):
         fn = "load" if self.last in op.strides else "load_bcast"
         lp.body.append(f"sscuda::{fn}<V>({t} + ({op.offset()}), r_{t});")
         if self._buffered(t):
-            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+            lp.shared = True
+            lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[bp_(l_)] = r_{t}[l_];")
             self.loaded.add(t)
         return f"r_{t}[l_]"
 
@@ -223,12 +231,13 @@ class _RowKernel(RowEmitter):
             if t in self.graph.tensors:
                 lp.body.append(f"sscuda::store<V>({t} + ({self._offset(t, a)}), r_{t});")
             if self._buffered(t):
-                lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[n0_ + l_] = r_{t}[l_];")
+                lp.shared = True
+                lp.body.append(f"SS_UNROLL for (int l_ = 0; l_ < V; ++l_) buf_{t}[bp_(l_)] = r_{t}[l_];")
         if sweep.reductions:  # each thread holds a partial result: combine them across the row's group
             self.reduces = True
             self._close()
             for acc, op in sweep.reductions:
-                self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_);")
+                self.rows.append(f"{acc} = sscuda::group_{op}<WARP>({acc}, red_, G_);")
 
     def _row_read(self, t: str, a: str, ctype: str) -> str:
         return f"sscuda::cvt<{ctype}>({t}[{self._offset(t, a)}])"
@@ -237,7 +246,8 @@ class _RowKernel(RowEmitter):
         self._after(f"if (tid_ == 0) {t}[{self._offset(t, a)}] = sscuda::to_x<{self.gen.ctype(t)}>({value});")
 
     def _column(self, t: str) -> str:
-        return f"acc_{t}[n0_ + l_]"
+        self.open_loop().shared = True
+        return f"acc_{t}[bp_(l_)]"
 
     def _index(self, letter: str) -> str:
         return f"(i_{letter} + l_)" if letter == self.last else f"i_{letter}"
@@ -286,8 +296,8 @@ class _RowKernel(RowEmitter):
             self._rows = self._emit_rows({"buffers": self.buffers})
 
     def launch_plan(self) -> RowLaunchPlan:
-        """The shared memory this kernel's launches need at the config's sizes (mirrors
-        ``sscuda::row_cfg``: warp mode for rows of at most 64 vectors, 4 rows per block)."""
+        """The shared memory this kernel's launches need at the config's sizes (the larger of the
+        scalar and the vector instantiation, :func:`~substation.backends.cuda.launch.row_shared_elements`)."""
         self._prepare()
         cfg = self.graph.config
         sizes = cfg.sizes()
@@ -297,10 +307,7 @@ class _RowKernel(RowEmitter):
         nslots = len(self.buffers) + len(self.model.column_outputs)
         csize = 8 if COMPUTE_DTYPES[cfg.dtype] == "float64" else 4
         widths = [1] + ([16 // cfg.itemsize] if self.vector_possible and nn % (16 // cfg.itemsize) == 0 else [])
-        worst = 0
-        for v in widths:
-            rpb = WARP_ROWS if nn // v <= 2 * WARP_LANES else 1
-            worst = max(worst, rpb * nslots * nn + (RED_SLOTS if self.reduces else 0))
+        worst = max(row_shared_elements(nn, v, nslots, self.reduces) for v in widths)
         return RowLaunchPlan(self.name, tuple(m["name"] for m in self.model.members), nn, nslots, self.reduces,
                              worst * csize)
 
@@ -324,22 +331,23 @@ class _RowKernel(RowEmitter):
                f"SS_KERNEL(sscuda::row_block_max<WARP>()) void {k}({', '.join(params)}) {{",
                "  (void)B; (void)J; (void)K; (void)seed; (void)training;",
                f"  const int64_t nrows_ = {self.nrows()}, nn_ = {self.nn()}, nvec_ = nn_ / V;",
-               "  const int G_ = WARP ? sscuda::kWarp : (int)SS_BDIM;",
-               "  const int rpb_ = WARP ? (int)SS_BDIM / sscuda::kWarp : 1;",
-               "  const int grp_ = WARP ? (int)SS_TID / sscuda::kWarp : 0;",
-               "  const int tid_ = WARP ? (int)SS_TID % sscuda::kWarp : (int)SS_TID;",
+               "  const sscuda::RowThreads rt_ = sscuda::row_threads<WARP>(nvec_, (int)SS_TID, (int)SS_BDIM);",
+               "  const int G_ = rt_.lanes, tid_ = rt_.lane, grp_ = rt_.group, rpb_ = rt_.groups;",
                "  SS_SMEM(comp_t, smem_);",
                "  comp_t* red_ = smem_; (void)red_;",
-               f"  comp_t* row_mem_ = smem_ + {red} + (int64_t)grp_ * {nslots} * nn_; (void)row_mem_;"]
+               f"  comp_t* row_mem_ = smem_ + {red} + (int64_t)grp_ * sscuda::row_region({nslots} * nn_, G_); "
+               "(void)row_mem_;"]
         for q, t in enumerate(buffers):
             src.append(f"  comp_t* buf_{t} = row_mem_ + (int64_t){q} * nn_;")
         for q, (t, _) in enumerate(self.model.column_outputs):
             src.append(f"  comp_t* acc_{t} = row_mem_ + (int64_t){len(buffers) + q} * nn_;")
         if ncol:
-            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
+            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
+            src.append(f"    {_BUF_POS}")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
-            src += [f"      acc_{t}[nv_ * V + l_] = 0;" for t, _ in self.model.column_outputs]
+            src += [f"      acc_{t}[bp_(l_)] = 0;" for t, _ in self.model.column_outputs]
             src.append("    }")
+            src.append("  }")
         src.append("  for (int64_t row_ = (int64_t)SS_BID * rpb_ + grp_; row_ < nrows_; "
                    "row_ += (int64_t)SS_GDIM * rpb_) {")
         if self.R:
@@ -350,11 +358,13 @@ class _RowKernel(RowEmitter):
         src.append("  }")
         if ncol:
             src.append("  const int64_t slot_ = (int64_t)SS_BID * rpb_ + grp_;")
-            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_)")
+            src.append("  for (int64_t nv_ = tid_; nv_ < nvec_; nv_ += G_) {")
+            src.append(f"    {_BUF_POS}")
             src.append("    for (int l_ = 0; l_ < V; ++l_) {")
             for q, (t, _) in enumerate(self.model.column_outputs):
-                src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[nv_ * V + l_];")
+                src.append(f"      part_[(slot_ * {ncol} + {q}) * nn_ + nv_ * V + l_] = acc_{t}[bp_(l_)];")
             src.append("    }")
+            src.append("  }")
         src += ["}", ""]
         # The second pass of the column reductions: columns x slot groups per block, each thread adds
         # a fixed subset of slots in order, then one thread per column adds the groups in order.
@@ -413,71 +423,6 @@ class _RowKernel(RowEmitter):
         return src, launch, ws
 
 
-# -- contractions ----------------------------------------------------------------------------------
-def _merge_batch(plan) -> list[tuple[list[str], object, object, object, object]]:
-    """Merge adjacent batch letters whose strides nest in all three operands: groups of
-    (letters, size, stride in A, B, C), outermost first."""
-    groups = []
-    for x, sa, sb, sc in plan.batch:
-        if groups:
-            letters, size, ga, gb, gc = groups[-1]
-            n = dim_symbol(x)
-            ok = all(sympy.simplify((g - s * n).subs(sympy.Symbol("K"), sympy.Symbol("J"))) == 0
-                     for g, s in ((ga, sa), (gb, sb), (gc, sc)))
-            if ok:
-                groups[-1] = (letters + [x], size * n, sa, sb, sc)
-                continue
-        groups.append(([x], dim_symbol(x), sa, sb, sc))
-    return groups
-
-
-def _emit_contraction(gen: "_Generator", op: Operator) -> list[str]:
-    ops = {conn: resolve_operand(gen.graph, t, a) for conn, (t, a) in gen.graph.operands(op).items()}
-    out = ops.pop("y")
-    a, b = ops.values()
-    plan = plan_contraction(a, b, out, op.label)
-    alpha = op.attrs.get("alpha", 1.0)
-    base = {w: (c_expr(o.base) if o.base != 0 else "0") for w, o in (("a", plan.a), ("b", plan.b), ("c", out))}
-    groups = _merge_batch(plan)
-
-    def call(batch_group, loop_groups, loop_vars):
-        def off(w, idx):
-            terms = [base[w]] + [f"{v} * ({c_expr(g[2 + idx])})" for v, g in zip(loop_vars, loop_groups)]
-            return " + ".join(t for t in terms if t != "0") or "0"
-        if batch_group is None:
-            count, sa, sb, sc = "1", "0", "0", "0"
-        else:
-            count = c_expr(batch_group[1])
-            sa, sb, sc = (c_expr(s) for s in batch_group[2:])
-        return (f"SS_CHECK(sscuda::gemm<store_t>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, "
-                f"{c_expr(plan.m)}, {c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}, "
-                f"{plan.a.name} + ({off('a', 0)}), {c_expr(plan.lda)}, {sa}, "
-                f"{plan.b.name} + ({off('b', 1)}), {c_expr(plan.ldb)}, {sb}, "
-                f"{plan.c.name} + ({off('c', 2)}), {c_expr(plan.ldc)}, {sc}, {count}, stream_));")
-
-    lines = []
-    if not groups:
-        lines.append(call(None, [], []))
-    elif len(groups) == 1:
-        lines.append(call(groups[0], [], []))
-    else:
-        # The largest group (sizes known only at run time) is the strided batch; loop over the rest.
-        lines.append("const int64_t gs_[] = {" + ", ".join(c_expr(g[1]) for g in groups) + "};")
-        lines.append("int best_ = 0;")
-        lines.append(f"for (int q_ = 1; q_ < {len(groups)}; ++q_) if (gs_[q_] > gs_[best_]) best_ = q_;")
-        for i, g in enumerate(groups):
-            rest = [h for j, h in enumerate(groups) if j != i]
-            vars_ = [f"b{j}_" for j, _ in enumerate(groups) if j != i]
-            lines.append(f"{'if' if i == 0 else 'else if'} (best_ == {i}) {{")
-            depth = 1
-            for v, h in zip(vars_, rest):
-                lines.append("  " * depth + f"for (int64_t {v} = 0; {v} < {c_expr(h[1])}; ++{v})")
-                depth += 1
-            lines.append("  " * depth + call(g, rest, vars_))
-            lines.append("}")
-    return lines
-
-
 # -- the translation unit --------------------------------------------------------------------------
 class _Generator:
     def __init__(self, graph: LayerGraph):
@@ -522,7 +467,8 @@ def generate_cuda(graph: LayerGraph) -> str:
     :func:`substation.build_cuda.build_cuda_library`.
 
     Raises:
-        LayoutError: a contraction's operand layouts need an explicit transpose.
+        LayoutError: a contraction's operand layouts need an explicit transpose, or give more batch
+            groups than a batched GEMM takes (:mod:`substation.backends.cuda.contraction`).
         RowTooLongError: a row kernel's rows at the config's sizes (J = K = ``max_seq_len``) need more
             shared memory than a block has on ``cuda_arch`` (the message names the kernel and the bytes;
             longer sequences than ``max_seq_len`` are checked at launch).
@@ -532,15 +478,14 @@ def generate_cuda(graph: LayerGraph) -> str:
     if cfg.dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype {cfg.dtype!r} has no CUDA implementation (one of {', '.join(STORAGE_TYPES)})")
     gen = _Generator(graph)
+    gemms = ContractionCalls(graph)
     sizes = cfg.sizes()
     kernels, body, ws_parts = [], [], []
     for n, op in enumerate(graph.operators()):
         body.append(f"// {op.label} [{op.op_class}] {op.kind}: "
                     + ", ".join(f"{c}={t}[{a}]" for c, (t, a) in sorted(graph.operands(op).items())))
         if op.kind == "contraction":
-            body.append("{")
-            body += ["  " + s for s in _emit_contraction(gen, op)]
-            body.append("}")
+            body.append(gemms.call(op))
             continue
         rk = _RowKernel(gen, build_row_kernel(graph, op), _kernel_name(n, op.label))
         check_fits(graph.config, rk.launch_plan())
@@ -571,6 +516,10 @@ def generate_cuda(graph: LayerGraph) -> str:
         "  (void)B; (void)J; (void)K;",
         f"  return {partial};",
         "}",
+        "int64_t batch_pointer_bytes(const int64_t B, const int64_t J, const int64_t K) {",
+        "  (void)B; (void)J; (void)K;",
+        f"  return {gemms.pointer_bytes()};",
+        "}",
         "}  // namespace",
         "",
         'extern "C" const char* substation_signature() {',
@@ -583,6 +532,7 @@ def generate_cuda(graph: LayerGraph) -> str:
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  int64_t total = sscuda::align_up(sscuda::kBlasWorkspace);",
         *(f"  total += sscuda::align_up((int64_t){item[gen.ctype(t.name)]} * {_numel(t.dims)});" for t in temps),
+        "  total += sscuda::align_up(batch_pointer_bytes(B, J, K));",
         "  total += sscuda::align_up(partial_bytes(B, J, K));",
         "  return total;",
         "}",
@@ -602,7 +552,10 @@ def generate_cuda(graph: LayerGraph) -> str:
         ct = gen.ctype(t.name)
         src.append(f"  {ct}* {t.name} = reinterpret_cast<{ct}*>(ws_); "
                    f"ws_ += sscuda::align_up((int64_t){item[ct]} * {_numel(t.dims)});")
+    src.append("  void** batch_next_ = reinterpret_cast<void**>(ws_); (void)batch_next_;")
+    src.append("  ws_ += sscuda::align_up(batch_pointer_bytes(B, J, K));")
     src.append("  comp_t* part_ = reinterpret_cast<comp_t*>(ws_); (void)part_;")
+    src += ["  " + s for s in gemms.setup()]
     src += ["  " + s for s in body]
     src += ["  return sscuda::finish();", "}", ""]
     return "\n".join(src)

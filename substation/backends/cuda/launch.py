@@ -6,16 +6,46 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["SHARED_MEMORY_PER_BLOCK", "WARP_LANES", "WARP_ROWS", "RED_SLOTS", "RowTooLongError", "RowLaunchPlan",
-           "shared_memory_limit", "check_fits"]
+__all__ = ["SHARED_MEMORY_PER_BLOCK", "WARP_LANES", "WARP_ROWS", "RED_SLOTS", "MAX_BLOCK", "RowTooLongError",
+           "RowLaunchPlan", "row_lanes", "row_region", "row_shared_elements", "shared_memory_limit", "check_fits"]
 
 #: Dynamic shared memory one block may have (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes, by the
 #: major and minor digits of ``cuda_arch``; other architectures get the smallest, 101376 B.
 SHARED_MEMORY_PER_BLOCK = {"80": 166912, "87": 166912, "90": 232448, "100": 232448, "103": 232448}
 _SMEM_FLOOR = 101376
-#: Constants of the launcher (substation_cuda.cuh): lanes per warp, rows per warp-mode block, slots
-#: of a block-mode reduction.
-WARP_LANES, WARP_ROWS, RED_SLOTS = 32, 4, 32
+#: Constants of the launcher (substation_cuda.cuh): lanes per warp, warps per warp-mode block, slots
+#: of a block-mode reduction, threads of a block-mode block at most.
+WARP_LANES, WARP_ROWS, RED_SLOTS, MAX_BLOCK = 32, 4, 32, 512
+
+
+def row_lanes(nvec: int) -> int:
+    """Threads per row in warp mode (``sscuda::row_lanes``): the smallest power of two >= ``nvec``
+    (the row's vectors), at most a warp; a warp then holds ``WARP_LANES // row_lanes(nvec)`` rows."""
+    lanes = 1
+    while lanes < WARP_LANES and lanes < nvec:
+        lanes *= 2
+    return lanes
+
+
+def row_region(elems: int, lanes: int) -> int:
+    """Shared elements of one row group (``sscuda::row_region``): its ``elems`` buffer elements,
+    padded in warp mode so that the groups of one warp start ``lanes`` banks apart."""
+    if elems == 0 or lanes >= WARP_LANES:
+        return elems
+    return elems + (lanes - elems) % WARP_LANES
+
+
+def row_shared_elements(nn: int, v: int, slots: int, reduces: bool) -> int:
+    """Dynamic shared memory of one launch (``sscuda::row_cfg``), in compute-type elements: a row of
+    ``nn`` elements in vectors of ``v``, ``slots`` row buffers, the 32 reduction slots if it reduces.
+    Warp mode (at most 2 warps of vectors) holds ``WARP_ROWS * WARP_LANES / row_lanes`` rows."""
+    nvec = nn // v
+    if nvec <= 2 * WARP_LANES:
+        lanes = row_lanes(nvec)
+        rows = WARP_ROWS * WARP_LANES // lanes
+    else:
+        lanes, rows = min(-(-nvec // WARP_LANES) * WARP_LANES, MAX_BLOCK), 1
+    return (RED_SLOTS if reduces else 0) + rows * row_region(slots * nn, lanes)
 
 
 class RowTooLongError(ValueError):
