@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .backends.cpu.build import build_libraries, require_bf16_isa
+from .backends.cpu.build import ToolchainError, build_libraries, require_bf16_isa
 from .backends.cpu.codegen import generate_cpu
 from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
@@ -179,15 +179,21 @@ def _build(state: PipelineState) -> None:
 def _load(state: PipelineState) -> None:
     opts = state.options
     loaded = {p: CompiledGraph(g, state.built[p].path) for p, g in _graphs(state).items()}
+    autocast_build, autocast_note = None, None
+    if state.config.target == "cpu" and state.config.dtype == "float32":
+        try:
+            require_bf16_isa()
+            autocast_build = functools.partial(cached_compile, state.config.replace(dtype="bfloat16"), fuse=opts.fuse,
+                                               layout=opts.layout, instrument=opts.instrument, mode=opts.mode)
+        except ToolchainError as e:
+            autocast_note = str(e)
     options = {"fuse": opts.fuse, "layout": opts.layout, "instrument": opts.instrument}
     state.compiled = CompiledLayer(
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
                                           mode="eval"),
-        autocast_build=functools.partial(cached_compile, state.config.replace(dtype="bfloat16"), fuse=opts.fuse,
-                                         layout=opts.layout, instrument=opts.instrument, mode=opts.mode)
-        if state.config.target == "cpu" and state.config.dtype == "float32" else None)
+        autocast_build=autocast_build, autocast_note=autocast_note)
 
 
 _GRAPHS = frozenset({"forward", "backward"})
@@ -311,8 +317,9 @@ def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = Tru
 def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.device) -> CompiledLayer:
     """The compiled layer of ``compiled``'s config for another parameter dtype and device, through the
     build cache (``compiled`` itself when nothing changes). Used by ``.to()``, ``.double()`` etc. A
-    float16/bfloat16 layer given float32 parameters keeps its build: those are master weights, cast
-    under ``torch.autocast``.
+    CUDA float16/bfloat16 layer given float32 parameters keeps its build: those are master weights, cast
+    under ``torch.autocast``; on the CPU, float32 parameters get the float32 build (which runs its
+    bfloat16 build under bf16 autocast).
 
     Raises:
         TypeError: a dtype or device the config's target does not compile (the message names what does).
@@ -328,7 +335,8 @@ def rebuild_for(compiled: CompiledLayer, dtype: torch.dtype, device: torch.devic
     if names.get(dtype) not in allowed:
         raise TypeError(f"Substation's target {config.target} compiles {', '.join(allowed)} layers; converting "
                         f"them to {dtype} is not supported")
-    if names[dtype] == config.dtype or (dtype == torch.float32 and config.dtype in ("float16", "bfloat16")):
+    if names[dtype] == config.dtype or (config.target == "cuda" and dtype == torch.float32
+                                        and config.dtype in ("float16", "bfloat16")):
         return compiled
     return cached_compile(config.replace(dtype=names[dtype]), **compiled.options)
 

@@ -132,18 +132,20 @@ def test_autocast_runs_the_bfloat16_build_of_a_float32_layer(fp32_layer):
     assert 1e-4 < _rel(y, y_fp32.double()) < 4e-2
 
 
-def test_bfloat16_layer_with_float32_master_weights_matches_the_autocast_dispatch(fp32_layer):
-    """``EncoderLayer(bf16 build).float()`` keeps the bf16 build (master weights) and computes the same
-    numbers as the float32 layer's autocast dispatch: one way of running bf16 with float32 weights."""
-    master = EncoderLayer(cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))).float()
-    master.load_state_dict(fp32_layer.state_dict())
-    assert master.compiled.config.dtype == "bfloat16"
+def test_float32_weights_always_get_the_float32_build(fp32_layer):
+    """``.float()`` of a bf16 layer (or a round trip through bf16) is a float32 layer: float32 outside
+    autocast, the bf16 build under it, the same numbers as the original float32 layer: one way of
+    running bf16 with float32 weights."""
+    back = EncoderLayer(cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))).float()
+    back.load_state_dict(fp32_layer.state_dict())
+    assert back.compiled.config.dtype == "float32"
     x, pad, _ = _inputs()
-    a, b = _step(master, x, pad, autocast=True), _step(fp32_layer, x, pad, autocast=True)
+    a, b = _step(back, x, pad, autocast=True), _step(fp32_layer, x, pad, autocast=True)
     for u, v in zip([a[0], a[1], *a[2]], [b[0], b[1], *b[2]]):
         assert torch.equal(u, v)
-    with pytest.raises(TypeError, match="hidden_states has dtype torch.float32"):
-        master(x)  # outside autocast the dtypes must match
+    with torch.no_grad():
+        assert torch.equal(back(x, key_padding_mask=pad), fp32_layer(x, key_padding_mask=pad))
+        assert back.to(torch.bfloat16).to(torch.float32).compiled.config.dtype == "float32"
 
 
 def test_pure_bfloat16_layer_trains_and_runs_inference(fp32_layer):
@@ -214,13 +216,22 @@ def test_fully_masked_rows_give_zeros_in_bfloat16(fp32_layer):
     assert torch.isfinite(y).all() and _rel(y, exact) < 3e-2
 
 
-def test_torch_compile_under_autocast(fp32_layer):
+def test_torch_compile_fullgraph_under_autocast(fp32_layer):
+    """The build is chosen inside the custom operators: no graph break under autocast, even on the
+    first (cold) call of a layer whose bf16 build is not loaded yet."""
     x, pad, _ = _inputs()
-    opt = torch.compile(fp32_layer, backend="eager")
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        y_opt = opt(x, key_padding_mask=pad)
-        y = fp32_layer(x, key_padding_mask=pad)
-    assert y_opt.dtype == torch.float32 and torch.equal(y_opt, y)
+    cold = EncoderLayer(compile_layer(_tiny(dtype="float32", dropout=NO_DROPOUT, name="tiny-cold")))
+    cold.load_state_dict(fp32_layer.state_dict())
+    for layer in (cold, fp32_layer):
+        torch._dynamo.reset()
+        opt = torch.compile(layer, backend="eager", fullgraph=True)
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_opt = opt(xg, key_padding_mask=pad)
+        y_opt.sum().backward()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fp32_layer(x, key_padding_mask=pad)
+        assert y_opt.dtype == torch.float32 and torch.equal(y_opt.detach(), y) and xg.grad.dtype == torch.float32
 
 
 def test_a_cpu_without_avx512_bf16_is_refused_at_compile_time(monkeypatch):
@@ -335,7 +346,7 @@ def test_fine_tuning_loss_under_bfloat16_follows_pytorch_autocast():
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         curves.append(torch.tensor(losses))
     theirs, mine = curves
     assert mine[-10:].mean() < 0.7 * mine[:10].mean() and theirs[-10:].mean() < 0.7 * theirs[:10].mean()

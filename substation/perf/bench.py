@@ -150,7 +150,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     torch.manual_seed(seed)
     layer = EncoderLayer(compiled)
     if autocast:
-        layer = layer.float()  # float32 master weights; the bf16 build stays (cast under autocast)
+        layer = layer.float()  # float32 weights: the float32 build, which runs this bf16 build under autocast
     sub_threads = set_substation_threads(compiled, threads)
     eager, call_eager, eager_label = eager_baseline(layer, hf_attn)
     if autocast:

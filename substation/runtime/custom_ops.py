@@ -6,6 +6,7 @@ Dimension letters: B batch, J query positions, K key positions (J = K), I hidden
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -47,11 +48,17 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     return mask.to(dtype).contiguous()
 
 
+def _chosen_build(key: str, bf16_autocast: bool) -> CompiledLayer:
+    # Chosen inside the operators (opaque to torch.compile): the first call compiles or loads the build.
+    compiled = registered_layer(key)
+    return compiled.for_autocast() if bf16_autocast else compiled
+
+
 @torch.library.custom_op("substation::layer_forward", mutates_args=())
 def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
                    params: list[torch.Tensor], seed: torch.Tensor, training: bool,
-                   forward_only: bool) -> list[torch.Tensor]:
-    compiled = registered_layer(key)
+                   forward_only: bool, bf16_autocast: bool) -> list[torch.Tensor]:
+    compiled = _chosen_build(key, bf16_autocast)
     if forward_only:  # no gradient needed, no dropout: the inference build writes Y alone
         compiled = compiled.forward_only()
     b, j, _ = x.shape
@@ -69,8 +76,8 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
 
 
 @_layer_forward.register_fake
-def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training, forward_only):
-    compiled = registered_layer(key)
+def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training, forward_only, bf16_autocast):
+    compiled = _chosen_build(key, bf16_autocast)
     if forward_only:  # shapes without loading the inference build (no tensors may be made here)
         return [x.new_empty(x.shape, dtype=compiled.forward.dtypes["Y"])]
     sizes = compiled.config.sizes(x.shape[0], x.shape[1])
@@ -102,18 +109,18 @@ def _layer_backward_fake(key, dy, saved, seed, training):
 
 
 def _layer_setup_context(ctx, inputs, output):
-    key, x, _, _, params, seed, training, forward_only = inputs
+    key, x, _, _, params, seed, training, forward_only, bf16_autocast = inputs
     ctx.forward_only = forward_only
     if forward_only:
         return
-    compiled = registered_layer(key)
+    compiled = _chosen_build(key, bf16_autocast)
     names = parameter_names(compiled.config)
     produced = compiled.produced_names
     cast_names = [n for n, p in zip(names, params) if p.dtype != compiled.forward.dtypes[n]]
     env = {"X": x, **dict(zip(names, params)), **dict(zip(produced, output)),
            **dict(zip(cast_names, output[len(produced):]))}
     ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
-    ctx.key, ctx.training = key, training
+    ctx.key, ctx.training = compiled.key, training
     ctx.shapes = (x.shape, [p.shape for p in params], x.dtype)
 
 
@@ -127,7 +134,7 @@ def _layer_grad(ctx, grads):
     if dy is None:
         dy = torch.zeros(x_shape, dtype=x_dtype, device=seed.device)
     dx, *dparams = _layer_backward(ctx.key, dy.contiguous().to(x_dtype), saved, seed, ctx.training)
-    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None, None
+    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None, None, None
 
 
 torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_context=_layer_setup_context)
@@ -142,10 +149,22 @@ def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
     return bool(torch.is_autocast_enabled(device_type))
 
 
-@torch.compiler.disable
-def _autocast_build(compiled: CompiledLayer) -> CompiledLayer:
-    # Outside any torch.compile graph: the first call compiles (or loads) the build.
-    return compiled.for_autocast()
+_WARNED: set = set()
+
+
+def _runs_bf16_autocast(compiled: CompiledLayer) -> bool:
+    """Whether a call of ``compiled`` runs its bfloat16 build: a float32 CPU build under CPU bf16 autocast
+    whose CPU runs bfloat16 builds (else a warning, once per config, says why it stays float32)."""
+    if not (compiled.forward.device_type == "cpu" and compiled.config.dtype == "float32"
+            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+        return False
+    if compiled.autocast_build is None:
+        if compiled.autocast_note and compiled.config.name not in _WARNED:
+            _WARNED.add(compiled.config.name)
+            warnings.warn(f"torch.autocast(bfloat16) is ignored by Substation's {compiled.config.name} layer: "
+                          f"{compiled.autocast_note}", RuntimeWarning, stacklevel=4)
+        return False
+    return True
 
 
 def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
@@ -205,11 +224,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
             bad mask (see :func:`check_mask`).
     """
     x = hidden_states
-    if (compiled.autocast_build is not None and compiled.forward.device_type == "cpu"
-            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
-        compiled = _autocast_build(compiled)
+    bf16_autocast = _runs_bf16_autocast(compiled)
     config = compiled.config
-    dtype = compiled.forward.dtype
+    dtype = torch.bfloat16 if bf16_autocast else compiled.forward.dtype
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != config.hidden_size:
@@ -219,7 +236,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if x.device.type != device_type:
         raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}"
                          + ("" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"))
-    cast = _autocast_casts(x.device.type, dtype)
+    cast = bf16_autocast or _autocast_casts(x.device.type, dtype)
     if x.dtype != dtype:
         if not (cast and x.dtype == torch.float32):
             raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {dtype}")
@@ -255,7 +272,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
     outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
                              [p if p.is_contiguous() else p.contiguous() for p in params], seed, training,
-                             not needs_grad and not training)
+                             not needs_grad and not training, bf16_autocast)
     # Under autocast with float32 (master) parameters, the output is float32 as PyTorch's layer gives
     # it (autocast runs layer norm in float32).
     if cast and params and all(p.dtype == torch.float32 for p in params):

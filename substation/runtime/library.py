@@ -7,12 +7,10 @@ import ctypes
 import dataclasses
 import os
 import threading
-import warnings
 from typing import Callable
 
 import torch
 
-from ..backends.cpu.build import ToolchainError
 from ..backends.cpu.codegen import tensor_dtypes as cpu_tensor_dtypes
 from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
 from ..config import EncoderConfig
@@ -113,7 +111,7 @@ class CompiledGraph:
         self.dtypes = {t.name: ALL_TORCH_DTYPES[dtypes[t.name]] for t in self.args}
         # Temporaries live only during a call: one workspace is reused (fresh pages would fault
         # on every call); a concurrent call from another thread gets its own.
-        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._workspace: torch.Tensor | None = None  # made on the first run (never under a fake-tensor mode)
         self._workspace_lock = threading.Lock()
         self.instrumented = hasattr(self.lib, "substation_op_names")
         if self.instrumented:
@@ -181,7 +179,7 @@ class CompiledGraph:
                 rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), stream)
         elif self._workspace_lock.acquire(blocking=False):
             try:
-                if self._workspace.numel() < need:
+                if self._workspace is None or self._workspace.numel() < need:
                     self._workspace = torch.empty(need, dtype=torch.uint8)
                 rc = self._run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training),
                                *self._stream_arg)
@@ -213,7 +211,10 @@ class CompiledLayer:
         inference_build: ``() -> CompiledLayer``, the forward-only build of the same config (the
             pipeline supplies it; built through the cache on first use); None for the build itself.
         autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and options, run
-            under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 CPU builds only; else None).
+            under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 CPU builds on CPUs with
+            AVX512-BF16; else None).
+        autocast_note: why a float32 CPU build has no :attr:`autocast_build` (the CPU lacks
+            AVX512-BF16), warned about once under bf16 autocast; else None.
     """
 
     config: EncoderConfig
@@ -224,6 +225,7 @@ class CompiledLayer:
     options: dict = dataclasses.field(default_factory=dict)
     inference_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
     autocast_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
+    autocast_note: str | None = None
 
     def __post_init__(self):
         self.key = register_layer(self)
@@ -242,21 +244,12 @@ class CompiledLayer:
 
     def for_autocast(self) -> "CompiledLayer":
         """The build to run under CPU bfloat16 autocast: :attr:`autocast_build` (compiled through the cache
-        on first use), or this build where there is none or the CPU cannot run bfloat16 builds (then a
-        warning, once per config, says so and the layer computes in its own dtype).
+        on first use), else this build.
 
         Raises:
-            BuildError: compiling the bfloat16 build failed.
+            ToolchainError, BuildError: compiling the bfloat16 build failed.
         """
-        if self.autocast_build is None:
-            return self
-        try:
-            return self.autocast_build()
-        except ToolchainError as e:
-            warnings.warn(f"torch.autocast(bfloat16) is ignored by Substation's {self.config.name} layer: {e}",
-                          RuntimeWarning, stacklevel=3)
-            self.autocast_build = None
-            return self
+        return self if self.autocast_build is None else self.autocast_build()
 
     @property
     def saved_names(self) -> list[str]:
