@@ -86,8 +86,10 @@ def test_machine_probes():
     for dtype in ("float32", "float64"):
         peak, rate = fma_peak(dtype), gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)])
         assert peak > 0 and 0 < rate < 1.5 * peak, (dtype, peak, rate)
-    with pytest.raises(ValueError, match="dtype must be float32 or float64"):
+    with pytest.raises(ValueError, match="dtype must be one of float32, float64, bfloat16, got 'float16'"):
         gemm_rate("float16")
+    with pytest.raises(ValueError, match="dtype must be one of float32, float64, got 'bfloat16'"):
+        fma_peak("bfloat16")
     with pytest.raises(ValueError, match=r"shapes of \(m, n, k\) >= 1"):
         gemm_rate("float32", [(4, 0, 4)])
     with pytest.raises(ValueError, match="iterations >= 1"):
