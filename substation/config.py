@@ -26,6 +26,8 @@ NORM_TYPES = ("layer_norm", "rms_norm")
 DTYPES = ("float32", "float64", "bfloat16")
 #: dtypes of target ``cuda`` (half precision computes in float32; see docs/cuda.md).
 CUDA_DTYPES = ("float32", "float64", "float16", "bfloat16")
+#: Bytes per element of each dtype name.
+ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 MASKS = ("none", "padding", "causal")
 TARGETS = ("cpu", "cuda")
 
@@ -200,7 +202,7 @@ class EncoderConfig:
     @property
     def itemsize(self) -> int:
         """Bytes per element of ``dtype``."""
-        return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return ITEMSIZES[self.dtype]
 
     @property
     def head_size(self) -> int:

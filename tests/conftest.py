@@ -11,6 +11,20 @@ from substation.reference import ReferenceEncoderLayer
 NO_DROPOUT = {"attention": 0.0, "hidden": 0.0, "activation": 0.0}
 
 
+def nvcc_skip_reason() -> str | None:
+    from substation.backends.cpu.build import ToolchainError
+    from substation.backends.cuda.build import cuda_toolchain
+    try:
+        cuda_toolchain().require_cublas()
+    except ToolchainError as e:
+        return f"no CUDA build toolchain here: {e}"
+    return None
+
+
+#: Tests that compile CUDA with nvcc and cuBLAS (skipped, with the reason, where either is missing).
+needs_nvcc = pytest.mark.skipif(nvcc_skip_reason() is not None, reason=str(nvcc_skip_reason()))
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(config):
     from substation.pipeline import compile_layer

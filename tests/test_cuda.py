@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NO_DROPOUT, make_layer, reference_for
+from conftest import NO_DROPOUT, make_layer, needs_nvcc, nvcc_skip_reason, reference_for
 from substation.backends.cuda import build as build_cuda
 from substation.backends.cpu.build import BuildError, ToolchainError
 from substation.backends.cuda.build import (build_cuda_libraries, cuda_toolchain, emulation_toolchain, nvcc_flags,
@@ -35,14 +35,6 @@ HEAVY_DROPOUT = {"attention": 0.3, "hidden": 0.2, "activation": 0.25}
 TOLERANCE = {"float64": 1e-12, "float32": 2e-5, "float16": 6e-3, "bfloat16": 4e-2}
 
 
-def _nvcc_skip_reason() -> str | None:
-    try:
-        cuda_toolchain().require_cublas()
-    except ToolchainError as e:
-        return f"no CUDA build toolchain here: {e}"
-    return None
-
-
 def _emulation_skip_reason() -> str | None:
     try:
         emulation_toolchain()
@@ -51,7 +43,6 @@ def _emulation_skip_reason() -> str | None:
     return None
 
 
-needs_nvcc = pytest.mark.skipif(_nvcc_skip_reason() is not None, reason=str(_nvcc_skip_reason()))
 needs_emulation = pytest.mark.skipif(_emulation_skip_reason() is not None, reason=str(_emulation_skip_reason()))
 
 
@@ -418,7 +409,7 @@ NVCC_CASES = [("tiny", "float32"), ("tiny", "float16"), ("tiny", "bfloat16"), ("
 def nvcc_layers(request):
     """Compile (through the pipeline and the build cache) the tiny layer in every float dtype and
     BERT-large in float16, forward and backward; report the compile times."""
-    reason = _nvcc_skip_reason()
+    reason = nvcc_skip_reason()
     if reason:
         pytest.skip(reason)
     layers, lines = {}, []
@@ -533,7 +524,7 @@ def test_nvcc_rejects_broken_source_without_caching(fresh_toolchain, tmp_path):
 def bert_large_ptxas():
     """ptxas's register and spill report of the BERT-large forward and backward builds in float16,
     bfloat16 and float32 (one compilation per source, all at once)."""
-    reason = _nvcc_skip_reason()
+    reason = nvcc_skip_reason()
     if reason:
         pytest.skip(reason)
     sources = {}

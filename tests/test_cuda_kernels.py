@@ -7,8 +7,9 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import needs_nvcc, nvcc_skip_reason
 
-from substation.backends.cpu.build import BuildError, ToolchainError
+from substation.backends.cpu.build import BuildError
 from substation.backends.cuda.build import cuda_toolchain, nvcc_flags, ptx_entries
 from substation.backends.cuda.codegen import generate_cuda
 from substation.backends.cuda.launch import row_shared_elements
@@ -19,15 +20,6 @@ from substation.resources import csrc_dir
 BERT_LARGE = load_config("bert-large-b8-l512").replace(target="cuda")
 
 
-def _nvcc_skip_reason() -> str | None:
-    try:
-        cuda_toolchain().require_cublas()
-    except ToolchainError as e:
-        return f"no CUDA build toolchain here: {e}"
-    return None
-
-
-needs_nvcc = pytest.mark.skipif(_nvcc_skip_reason() is not None, reason=str(_nvcc_skip_reason()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +52,7 @@ def test_host_function_in_device_code_is_a_build_error():
 @pytest.fixture(scope="module")
 def half_ptx():
     """PTX of the BERT-large forward and backward kernels in float16 and bfloat16."""
-    reason = _nvcc_skip_reason()
+    reason = nvcc_skip_reason()
     if reason:
         pytest.skip(reason)
     keys = [(dt, phase) for dt in ("float16", "bfloat16") for phase in (0, 1)]
@@ -166,7 +158,7 @@ LAYOUT_CASES += [(3000, 16, 8, 1, 0, 1), (2000, 1024, 4, 2, 32, 1), (700, 128, 8
 def layout_report(tmp_path_factory):
     """The harness above, compiled by nvcc for the host with the GPU build's constants (32 lanes,
     4 warps per warp-mode block, 512 threads per block-mode block), run on LAYOUT_CASES."""
-    reason = _nvcc_skip_reason()
+    reason = nvcc_skip_reason()
     if reason:
         pytest.skip(reason)
     tc = cuda_toolchain()

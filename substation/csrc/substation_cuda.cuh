@@ -612,6 +612,13 @@ template <> struct BlasType<double> {
   typedef double scale;
 };
 
+// cuBLAS takes int sizes: 0, or the error code (with its message) of a size past 2^31 - 1.
+inline int check_gemm_dims(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, int64_t batch) {
+  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
+    return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
+  return 0;
+}
+
 // Column-major GEMM (cuBLAS conventions), beta = 0, float32 accumulation for float32, float16 and
 // bfloat16 (float64: double): cublasGemmEx for one matrix, cublasGemmStridedBatchedEx for several.
 template <typename X>
@@ -619,8 +626,7 @@ inline int gemm_cm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alp
                    int64_t sa, const X* B, int64_t ldb, int64_t sb, X* C, int64_t ldc, int64_t sc, int64_t batch,
                    Stream stream) {
   if (m <= 0 || n <= 0 || batch <= 0) return 0;
-  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
-    return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
+  if (const int rc = check_gemm_dims(m, n, k, lda, ldb, ldc, batch)) return rc;
   typedef typename BlasType<X>::scale S;
   const S a = (S)alpha, b = (S)0;
   const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -646,8 +652,7 @@ inline int gemm_cm_ptr(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double
                        int64_t lda, const X* const* B, int64_t ldb, X* const* C, int64_t ldc, int64_t batch,
                        Stream stream) {
   if (m <= 0 || n <= 0 || batch <= 0) return 0;
-  if (m > INT_MAX || n > INT_MAX || k > INT_MAX || lda > INT_MAX || ldb > INT_MAX || ldc > INT_MAX || batch > INT_MAX)
-    return fail(kErrSubstation + 3, "gemm", "a GEMM dimension exceeds 2^31 - 1");
+  if (const int rc = check_gemm_dims(m, n, k, lda, ldb, ldc, batch)) return rc;
   typedef typename BlasType<X>::scale S;
   const S a = (S)alpha, b = (S)0;
   const cublasStatus_t s = cublasGemmBatchedEx(

@@ -33,11 +33,11 @@ from typing import Callable, Mapping
 
 import sympy
 
-from ..config import EncoderConfig, load_config
+from ..config import ITEMSIZES, EncoderConfig, load_config
 from ..ir.graph import OP_CLASSES, LayerGraph, Operator
 from ..ops import op_kind
 from ..ops.kind import elements
-from ..runtime.library import ITEMSIZES, graph_tensor_dtypes
+from ..runtime.library import graph_tensor_dtypes
 
 __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",

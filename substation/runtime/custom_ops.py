@@ -54,6 +54,13 @@ def _chosen_build(key: str, bf16_autocast: bool) -> CompiledLayer:
     return compiled.for_autocast() if bf16_autocast else compiled
 
 
+def _cast_names(compiled: CompiledLayer, params: list) -> list[str]:
+    """The parameters (in :func:`parameter_names` order) whose dtype differs from the build's: float32
+    master weights of a half-precision build, cast inside the operator."""
+    dtypes = compiled.forward.dtypes
+    return [n for n, p in zip(parameter_names(compiled.config), params) if p.dtype != dtypes[n]]
+
+
 @torch.library.custom_op("substation::layer_forward", mutates_args=())
 def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
                    params: list[torch.Tensor], seed: torch.Tensor, training: bool,
@@ -64,7 +71,8 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
     b, j, _ = x.shape
     names = parameter_names(compiled.config)
     # float32 master weights of a half-precision build: cast once per call, kept for backward
-    casts = {n: p.to(compiled.forward.dtypes[n]) for n, p in zip(names, params) if p.dtype != compiled.forward.dtypes[n]}
+    cast_names = _cast_names(compiled, params)
+    casts = {n: p.to(compiled.forward.dtypes[n]) for n, p in zip(names, params) if n in cast_names}
     given = {"X": x, **dict(zip(names, params)), **casts}
     if compiled.config.mask != "none":
         m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
@@ -83,8 +91,9 @@ def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training,
     sizes = compiled.config.sizes(x.shape[0], x.shape[1])
     info = {t.name: t for t in compiled.forward.produced}
     dtypes = compiled.forward.dtypes
+    cast_names = _cast_names(compiled, params)
     casts = [p.new_empty(p.shape, dtype=dtypes[n]) for n, p in zip(parameter_names(compiled.config), params)
-             if p.dtype != dtypes[n]]
+             if n in cast_names]
     return [x.new_empty(info[n].shape(sizes), dtype=dtypes[n]) for n in compiled.produced_names] + casts
 
 
@@ -116,7 +125,7 @@ def _layer_setup_context(ctx, inputs, output):
     compiled = _chosen_build(key, bf16_autocast)
     names = parameter_names(compiled.config)
     produced = compiled.produced_names
-    cast_names = [n for n, p in zip(names, params) if p.dtype != compiled.forward.dtypes[n]]
+    cast_names = _cast_names(compiled, params)
     env = {"X": x, **dict(zip(names, params)), **dict(zip(produced, output)),
            **dict(zip(cast_names, output[len(produced):]))}
     ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))

@@ -16,7 +16,7 @@ from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
 from ..config import EncoderConfig
 from ..ir.graph import LayerGraph, TensorInfo, parameters
 
-__all__ = ["ALL_TORCH_DTYPES", "ITEMSIZES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
+__all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
            "keep_freed_memory", "parameter_names", "register_layer", "registered_layer"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -24,10 +24,6 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 ALL_TORCH_DTYPES = {**TORCH_DTYPES, "float16": torch.float16}
 #: torch dtype -> config dtype name.
 DTYPE_NAMES = {v: k for k, v in ALL_TORCH_DTYPES.items()}
-
-
-#: Bytes per element of each dtype name.
-ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def graph_tensor_dtypes(graph: LayerGraph, target: str | None = None) -> dict[str, str]:

@@ -114,14 +114,15 @@ def onednn() -> OneDNN:
     return OneDNN(include, library, version)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``flags`` line of ``/proc/cpuinfo``; empty where there is none)."""
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``flags`` line of ``/proc/cpuinfo``, read once; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 def require_bf16_isa() -> None:
