@@ -256,6 +256,24 @@ def cmd_bench(args) -> int:
         return 2
     if args.compare_layouts:
         return cmd_compare_layouts(args)
+    if args.attention_lengths is not None:
+        from .perf import bench_attention
+        if args.kernels or args.mode == "eval" or args.dtype or args.layout or args.batch_size or args.seq_len \
+                or args.plot:
+            print("substation: error: --attention-lengths times the inference build at those lengths (B keeps the "
+                  "config's token count); it takes no --kernels, --mode, --dtype, --layout, --batch-size, "
+                  "--seq-len or --plot", file=sys.stderr)
+            return 2
+        try:
+            lengths = [int(n) for n in args.attention_lengths.split(",")]
+            result = bench_attention.run_bench_attention(
+                args.config, lengths, repeats=args.repeats, warmup=args.warmup,
+                progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+        except ValueError as e:
+            print(f"substation: error: {e}", file=sys.stderr)
+            return 2
+        print(bench_attention.format_bench_attention(result))
+        return _write_outputs(args, result, bench_report.write_json, None)
     if args.kernels:
         result = bench.kernel_table(args.config, repeats=args.repeats, warmup=args.warmup,
                                     batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout)
@@ -283,8 +301,8 @@ def cmd_bench_model(args) -> int:
         print(f"substation: error: --mode eval times the shapes of --shapes; it does not take {', '.join(given)}",
               file=sys.stderr)
         return 2
-    if train and (args.shapes is not None or args.no_ort):
-        print("substation: error: --shapes and --no-ort go with --mode eval", file=sys.stderr)
+    if train and (args.shapes is not None or args.no_ort or args.dtype is not None):
+        print("substation: error: --shapes, --no-ort and --dtype go with --mode eval", file=sys.stderr)
         return 2
     batch, seq_len = (8 if args.batch is None else args.batch), (128 if args.seq_len is None else args.seq_len)
     for flag, value, least in (("--batch", batch, 1), ("--seq-len", seq_len, 1),
@@ -304,7 +322,7 @@ def cmd_bench_model(args) -> int:
             shapes = bench_model_eval.SHAPES if args.shapes is None else bench_model_eval.parse_shapes(args.shapes)
             result = bench_model_eval.run_bench_model_eval(
                 spec, shapes=shapes, rounds=args.rounds, warmup=args.warmup, include_compile=not args.no_compile,
-                include_ort=not args.no_ort, progress=say)
+                include_ort=not args.no_ort, dtype=args.dtype or "float32", progress=say)
             text = bench_model_eval.format_bench_model_eval(result)
     except (ValueError, ImportError) as e:
         print(f"substation: error: {e}", file=sys.stderr)
@@ -446,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attn_implementation of the Hugging Face BertLayer baseline (default sdpa)")
     p.add_argument("--kernels", action="store_true",
                    help="instead: time each memory-bound kernel and compare with the copy bandwidth")
+    p.add_argument("--attention-lengths", metavar="L,...",
+                   help="instead: the inference build's fused attention kernel against the unfused chain at these "
+                        "sequence lengths (e.g. 128,512,2048): bytes, workspace, time")
     p.add_argument("--compare-layouts", action="store_true",
                    help="instead: default vs tuned layout plan; prints layout_speedup (default / tuned time)")
     p.add_argument("--layout", metavar="PLAN", help="the tuned plan for --compare-layouts (default: bundled "
@@ -477,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first (default 1)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     p.add_argument("--no-ort", action="store_true", help="eval: skip ONNX Runtime")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="eval: float32 (default), or bfloat16: every model under torch.autocast('cpu', bfloat16) "
+                        "with float32 weights (ONNX Runtime left out)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="train: also write a bar chart")
     p.set_defaults(func=cmd_bench_model)

@@ -14,7 +14,8 @@ from .config import DTYPES, DropoutConfig, EncoderConfig
 from .interop.families import NotConvertible, activation_name, family_of, layer_config
 from .pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from .reference import init_parameters
-from .runtime import ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, CompiledLayer, parameter_names, run_layer
+from .runtime import (ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, CompiledLayer, parameter_names, run_layer,
+                      run_layer_varlen)
 
 __all__ = ["EncoderLayer"]
 
@@ -203,10 +204,30 @@ class EncoderLayer(nn.Module):
 
         Returns:
             [B, J, I]. Rows of a query whose keys are all masked with -inf get zero attention
-            probabilities (their attention output is the output bias alone).
+            probabilities (their attention output is the output bias alone). A call that runs the
+            forward-only build (no gradient needed, no dropout) with a padding mask computes the real
+            tokens only (packed, :mod:`substation.runtime.packing`): rows of padded positions are zeros,
+            as in PyTorch's nested-tensor fast path, and a sequence without real tokens is all zeros.
 
         Raises:
             TypeError, ValueError: see :func:`run_layer`.
         """
         return run_layer(self.compiled, hidden_states, [getattr(self, n) for n in self.parameter_names], self.training,
                          attention_mask, key_padding_mask)
+
+    def forward_varlen(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Run the layer on packed variable-length sequences (FlashAttention's varlen convention).
+
+        Args:
+            hidden_states: [N, I], the config's dtype; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
+            cu_seqlens: integer [B + 1] offsets starting at 0 and ending at N (``torch.int32`` as
+                FlashAttention's, or any integer dtype).
+
+        Returns:
+            [N, I]: each token's output, attending only to the tokens of its own sequence.
+
+        Raises:
+            TypeError, ValueError: see :func:`~substation.runtime.run_layer_varlen`.
+        """
+        return run_layer_varlen(self.compiled, hidden_states, cu_seqlens,
+                                [getattr(self, n) for n in self.parameter_names], self.training)

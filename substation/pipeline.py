@@ -23,6 +23,7 @@ from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
 from .ir.graph import LayerGraph, build_forward
+from .passes.attention import applies_to, fuse_attention
 from .passes.autodiff import build_backward
 from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
@@ -38,6 +39,9 @@ class PipelineOptions:
 
     Attributes:
         fuse: run the fusion pass (row kernels); False: one kernel per operator.
+        attention: in forward-only float32/float64 CPU builds with ``fuse``, fuse scores, mask, softmax and
+            context into one ``attention`` kernel (:mod:`substation.passes.attention`); False keeps
+            them apart (to compare).
         layout: a layout plan: a path, a bundled plan name or a :class:`LayoutPlan`; ``"default"``
             keeps PyTorch's layouts; None: the config's default plan
             (:func:`~substation.passes.layout.default_plan`: PyTorch's layouts, except that bfloat16 CPU
@@ -52,12 +56,13 @@ class PipelineOptions:
     """
 
     fuse: bool = True
+    attention: bool = True
     layout: Any = None
     instrument: bool = False
     mode: str = "train"
 
     def __post_init__(self):
-        for name in ("fuse", "instrument"):
+        for name in ("fuse", "attention", "instrument"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
@@ -73,7 +78,8 @@ class PipelineOptions:
         """Plain data (a layout plan object becomes its JSON mapping)."""
         layout = self.layout.to_dict() if isinstance(self.layout, LayoutPlan) else \
             (os.fspath(self.layout) if self.layout is not None else None)
-        return {"fuse": self.fuse, "layout": layout, "instrument": self.instrument, "mode": self.mode}
+        return {"fuse": self.fuse, "attention": self.attention, "layout": layout, "instrument": self.instrument,
+                "mode": self.mode}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "PipelineOptions":
@@ -88,8 +94,8 @@ class PipelineOptions:
         layout = data.get("layout")
         if isinstance(layout, Mapping):
             layout = load_plan(layout)
-        return cls(fuse=data.get("fuse", True), layout=layout, instrument=data.get("instrument", False),
-                   mode=data.get("mode", "train"))
+        return cls(fuse=data.get("fuse", True), attention=data.get("attention", True), layout=layout,
+                   instrument=data.get("instrument", False), mode=data.get("mode", "train"))
 
 
 @dataclasses.dataclass
@@ -149,6 +155,8 @@ def _graphs(state: PipelineState) -> dict[str, LayerGraph]:
 
 
 def _fusion(state: PipelineState) -> None:
+    if state.options.attention and applies_to(state.forward, state.backward is not None):
+        state.forward = fuse_attention(state.forward)
     for phase, graph in _graphs(state).items():
         setattr(state, phase, fuse_graph(graph))
 
@@ -184,15 +192,16 @@ def _load(state: PipelineState) -> None:
         try:
             require_bf16_isa()
             autocast_build = functools.partial(cached_compile, state.config.replace(dtype="bfloat16"), fuse=opts.fuse,
-                                               layout=opts.layout, instrument=opts.instrument, mode=opts.mode)
+                                               layout=opts.layout, instrument=opts.instrument, mode=opts.mode,
+                                               attention=opts.attention)
         except ToolchainError as e:
             autocast_note = str(e)
-    options = {"fuse": opts.fuse, "layout": opts.layout, "instrument": opts.instrument}
+    options = {"fuse": opts.fuse, "attention": opts.attention, "layout": opts.layout, "instrument": opts.instrument}
     state.compiled = CompiledLayer(
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
-                                          mode="eval"),
+                                          mode="eval", attention=opts.attention),
         autocast_build=autocast_build, autocast_note=autocast_note)
 
 
@@ -208,8 +217,8 @@ PASSES = (
     Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), _FORWARD, _graph),
     Pass("autodiff", "derive the backward SDFG; mark what forward saves", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
-    Pass("fusion", "group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS, _fusion,
-         lambda o: o.fuse),
+    Pass("fusion", "fuse attention (forward-only CPU float builds), then group element-wise and normalization "
+         "operators into row kernels", _FORWARD, _GRAPHS, _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),
     Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD, frozenset({"sources"}), _codegen),
@@ -267,27 +276,28 @@ class Pipeline:
 
 
 def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None,
-                   mode: str = "train"):
+                   mode: str = "train", attention: bool = True):
     """The (forward, backward) :class:`~substation.ir.graph.LayerGraph` pair after the passes up to
-    ``layout`` (fusion with ``fuse_ops``; ``layout`` and ``mode`` as :class:`PipelineOptions`;
-    backward is None in mode ``eval``)."""
-    state = Pipeline().run(config, PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode), until="layout")
+    ``layout`` (fusion with ``fuse_ops``; ``layout``, ``mode`` and ``attention`` as
+    :class:`PipelineOptions`; backward is None in mode ``eval``)."""
+    options = PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode, attention=attention)
+    state = Pipeline().run(config, options, until="layout")
     return state.forward, state.backward
 
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
-                  fuse: bool = True, layout=None, mode: str = "train") -> CompiledLayer:
+                  fuse: bool = True, layout=None, mode: str = "train", attention: bool = True) -> CompiledLayer:
     """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
     loaded :class:`~substation.runtime.CompiledLayer`.
 
     ``progress``, if given, is called with each pass name as it starts. ``instrument``, ``fuse``,
-    ``layout`` and ``mode``: see :class:`PipelineOptions`.
+    ``layout``, ``mode`` and ``attention``: see :class:`PipelineOptions`.
 
     Raises:
         as :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
     """
-    return Pipeline().run(config, PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode),
-                          progress=progress).compiled
+    options = PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode, attention=attention)
+    return Pipeline().run(config, options, progress=progress).compiled
 
 
 _LOADED: dict = {}
@@ -295,7 +305,7 @@ _LOADED_LOCK = threading.Lock()
 
 
 def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
-                   instrument: bool = False, mode: str = "train") -> CompiledLayer:
+                   instrument: bool = False, mode: str = "train", attention: bool = True) -> CompiledLayer:
     """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
     twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
     the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`
@@ -306,11 +316,12 @@ def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = Tru
     """
     config = load_config(config)
     key = (config, fuse, layout if layout is None or isinstance(layout, (str, os.PathLike)) else id(layout), instrument,
-           mode)
+           mode, attention)
     with _LOADED_LOCK:
         compiled = _LOADED.get(key)
         if compiled is None:
-            compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument, mode=mode)
+            compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument, mode=mode,
+                                                    attention=attention)
     return compiled
 
 

@@ -288,9 +288,9 @@ static inline void gemm_small_rows(int64_t rows, int64_t k, const float* a, int6
   }
 }
 
-static inline void gemm_small(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                              const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-                              float* __restrict__ pack) {
+// The packing half of gemm_small: op(B) [k x n] into 32-column panels (a packed B serves many A's).
+static inline void gemm_small_pack(bool trans_b, int64_t n, int64_t k, const float* b, int64_t ldb,
+                                   float* __restrict__ pack) {
   const int64_t panels = (n + 31) / 32;
   for (int64_t jp = 0; jp < panels; ++jp) {
     const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
@@ -301,6 +301,12 @@ static inline void gemm_small(bool trans_a, bool trans_b, int64_t m, int64_t n, 
       for (int64_t j = w; j < 32; ++j) row[j] = 0.0f;
     }
   }
+}
+
+// The compute half: C[m x n] = alpha op(A) B with B packed by gemm_small_pack.
+static inline void gemm_small_packed(bool trans_a, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                                     int64_t lda, const float* pack, float* c, int64_t ldc) {
+  const int64_t panels = (n + 31) / 32;
   const int64_t rs_a = trans_a ? 1 : lda, cs_a = trans_a ? lda : 1;
   for (int64_t jp = 0; jp < panels; ++jp) {
     const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
@@ -311,6 +317,13 @@ static inline void gemm_small(bool trans_a, bool trans_b, int64_t m, int64_t n, 
     for (; i + 8 <= m; i += 8) gemm_small_block<8>(k, a + i * rs_a, rs_a, cs_a, panel, alpha, c + i * ldc + j0, ldc, m0, m1);
     gemm_small_rows<7>(m - i, k, a + i * rs_a, rs_a, cs_a, panel, alpha, c + i * ldc + j0, ldc, m0, m1);
   }
+}
+
+static inline void gemm_small(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                              const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+                              float* __restrict__ pack) {
+  gemm_small_pack(trans_b, n, k, b, ldb, pack);
+  gemm_small_packed(trans_a, m, n, k, alpha, a, lda, pack, c, ldc);
 }
 #endif
 

@@ -10,8 +10,9 @@
 * ``encode``: sentence-transformers' ``encode(sentences, batch_size=B, convert_to_tensor=True)``
   (tokenization, the ``BertModel``, pooling, normalisation); its output is the embeddings [B, I].
 
-Four implementations of the ``BertModel`` run both APIs, interleaved in one process, float32, on
-``torch.get_num_threads()`` threads:
+Four implementations of the ``BertModel`` run both APIs, interleaved in one process, on
+``torch.get_num_threads()`` threads, in float32 or (``dtype="bfloat16"``) every call under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` with the float32 weights, as users turn it on:
 
 * ``hf_eager``: the model as loaded (``attn_implementation="sdpa"``), PyTorch eager;
 * ``hf_compile``: that model under ``torch.compile`` (``dynamic=False``, compiled afresh for every
@@ -20,9 +21,12 @@ Four implementations of the ``BertModel`` run both APIs, interleaved in one proc
   (``dynamo=True``, batch and sequence dimensions dynamic), optimized by
   ``onnxruntime.transformers.optimizer`` (``model_type="bert"``), one session with
   ``intra_op_num_threads`` = the thread count and thread spinning off, so that its idle threads do not
-  slow whatever runs next; skipped, with the reason recorded, when it is not installed;
+  slow whatever runs next; skipped, with the reason recorded, when it is not installed, and in
+  bfloat16 (its CPU provider runs this model in float32 only);
 * ``substation``: :func:`substation.optimize` of the model, every ``BertLayer`` replaced; in eval mode
-  under ``inference_mode`` each layer runs its inference build (built and threaded before timing).
+  under ``inference_mode`` each layer runs its inference build (under bf16 autocast: the bfloat16
+  one), which computes the real tokens only (:mod:`substation.runtime.packing`); all built and
+  threaded before timing.
 
 The batch is text: sentences of words that are single tokens of the model's vocabulary, so that the
 tokenizer gives exactly J tokens ([CLS] and [SEP] included) to rows 0 .. B/2 - 1 and 3J/4 to the rest,
@@ -31,7 +35,7 @@ of one sequence (B = 1, the latency case) is not padded, as a tokenizer never pa
 
 Accuracy: every implementation's output on the real (unpadded) tokens is compared with a float64 run
 of the Hugging Face model on the same input: the max absolute error, and its ratio to the error of
-Hugging Face's own float32 run.
+Hugging Face's own eager run in the same precision (float32, or under bf16 autocast).
 
 Units: seconds in the results, milliseconds in the text. Dimension letters: B batch, J sequence
 positions, I hidden size. See docs/performance.md.
@@ -40,28 +44,30 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import nullcontext
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
 
 from ..interop import optimize
-from .bench_model import ModelSpec, compiled_layers, model_spec
 from .baselines import padded_positions
+from .bench_model import ModelSpec, compiled_layers, model_spec
 from .probes import machine_info
 from .timing import Candidate, fresh_inductor_cache, interleaved_times, sample_stats, set_substation_threads
 
-__all__ = ["IMPLEMENTATIONS", "APIS", "SHAPES", "parse_shapes", "sentence_batch", "OrtEncoder", "ort_model",
+__all__ = ["IMPLEMENTATIONS", "APIS", "DTYPES", "SHAPES", "parse_shapes", "sentence_batch", "OrtEncoder", "ort_model",
            "run_bench_model_eval", "format_bench_model_eval"]
 
 #: The implementations of the ``BertModel``, in order.
 IMPLEMENTATIONS = ("hf_eager", "hf_compile", "ort", "substation")
 #: The APIs each implementation is called through.
 APIS = ("bert_model", "encode")
+#: Precisions: float32, or bfloat16 autocast around float32 weights.
+DTYPES = ("float32", "bfloat16")
 #: The default (B, J) shapes: a padded batch, one short query (latency), a long padded batch.
 SHAPES = ((32, 128), (1, 24), (32, 512))
-SCHEMA = "substation-bench-model-eval/1"
+SCHEMA = "substation-bench-model-eval/2"
 _FEATURES = ("input_ids", "token_type_ids", "attention_mask")
 _ORT_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
 
@@ -212,16 +218,29 @@ def _max_error(out, ref, real) -> float:
     return float((diff[real] if diff.dim() == 3 else diff).max())
 
 
-def _calls(model, features: dict, sentences: list[str]) -> dict[str, Callable]:
-    """API -> a call of ``model`` (a sentence-transformers model) through it, returning its output."""
+def _precision(dtype: str):
+    """The context every timed call of ``dtype`` runs in: bf16 autocast, or nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+
+
+def _calls(model, features: dict, sentences: list[str], dtype: str = "float32") -> dict[str, Callable]:
+    """API -> a call of ``model`` (a sentence-transformers model) through it in ``dtype``'s precision
+    (:func:`_precision`), returning its output."""
     bert = model[0].model
-    return {"bert_model": lambda: bert(**features, return_dict=True)["last_hidden_state"],
-            "encode": lambda: model.encode(sentences, batch_size=len(sentences), convert_to_tensor=True,
-                                           show_progress_bar=False)}
+
+    def bert_model():
+        with _precision(dtype):
+            return bert(**features, return_dict=True)["last_hidden_state"]
+
+    def encode():
+        with _precision(dtype):
+            return model.encode(sentences, batch_size=len(sentences), convert_to_tensor=True,
+                                show_progress_bar=False)
+    return {"bert_model": bert_model, "encode": encode}
 
 
 def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, rounds: int, warmup: int,
-                 compile_backend: str | None, seed: int, say: Callable[[str], None]) -> dict:
+                 compile_backend: str | None, seed: int, dtype: str, say: Callable[[str], None]) -> dict:
     sentences, features = sentence_batch(models["hf_eager"], batch, seq, seed)
     for m in (*models.values(), reference):
         m.max_seq_length = seq
@@ -238,7 +257,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
         try:
             with torch.inference_mode(), (fresh_inductor_cache() if name == "hf_compile" else nullcontext()):
                 t0 = time.perf_counter()
-                got = {api: call() for api, call in _calls(m, features, sentences).items()}
+                got = {api: call() for api, call in _calls(m, features, sentences, dtype).items()}
                 first = time.perf_counter() - t0
         except Exception as e:  # a failing torch.compile is this implementation's result, not the run's
             if name != "hf_compile":
@@ -248,7 +267,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
         if name == "hf_compile":
             info[name]["compile_seconds"] = first
         errors[name] = {api: _max_error(got[api], want[api], real) for api in APIS}
-        calls.update({f"{name}/{api}": call for api, call in _calls(m, features, sentences).items()})
+        calls.update({f"{name}/{api}": call for api, call in _calls(m, features, sentences, dtype).items()})
     say(f"{batch}x{seq}: {warmup} warm-up call(s) of each, then {rounds} interleaved rounds of {len(calls)} calls")
     times = interleaved_times([Candidate(k, lambda _, f=f: f(), []) for k, f in calls.items()], None, None,
                               rounds, warmup)
@@ -264,7 +283,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
         per_api[api] = {
             "seconds": ran, "median_seconds": med,
             "max_abs_error_vs_float64": {n: e[api] for n, e in errors.items()},
-            "error_ratio_vs_hf_float32": {n: e[api] / hf_err[api] if hf_err[api] else None
+            "error_ratio_vs_hf": {n: e[api] / hf_err[api] if hf_err[api] else None
                                           for n, e in errors.items()},
             "substation_error_within_2x_of_hf": errors["substation"][api] <= 2 * hf_err[api],
             "speedup_vs_hf_eager": ratio("hf_eager"), "speedup_vs_compile": ratio("hf_compile"),
@@ -278,7 +297,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
 
 def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, rounds: int = 5, warmup: int = 1,
                          include_compile: bool = True, include_ort: bool = True, compile_backend: str = "inductor",
-                         seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+                         seed: int = 0, dtype: str = "float32", progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark whole-model inference with and without :func:`substation.optimize` (see the module docstring).
 
     Args:
@@ -292,22 +311,26 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         include_compile: also ``hf_compile``; compile_backend: its backend (``"eager"`` for quick tests).
         include_ort: also ``ort`` when ONNX Runtime is installed (else recorded as skipped, with the reason).
         seed: chooses the words of the sentences.
+        dtype: ``float32``, or ``bfloat16``: every call under bf16 autocast (ONNX Runtime left out).
         progress: called with a short message before each phase.
 
     Returns:
         Plain data, the JSON of ``substation bench-model --mode eval`` (keys in docs/performance.md): per
         shape and API the implementations' forward ``seconds`` stats, ``median_seconds``,
-        ``max_abs_error_vs_float64``, ``error_ratio_vs_hf_float32`` and the speedups of ``substation``
+        ``max_abs_error_vs_float64``, ``error_ratio_vs_hf`` (over HF eager's in the same precision) and
+        the speedups of ``substation``
         (another implementation's median seconds / Substation's; None where one did not run).
 
     Raises:
-        ValueError: rounds < 1, warmup < 0, no shapes, a bad shape, or a model folder without a
-            sentence-transformers model.
+        ValueError: rounds < 1, warmup < 0, no shapes, a bad shape, a dtype not in :data:`DTYPES`, or a
+            model folder without a sentence-transformers model.
         FileNotFoundError, ImportError: from ``model_spec`` (or no ``sentence-transformers``).
         ToolchainError, BuildError: Substation's compilation failed.
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1 and warmup >= 0, got {rounds} and {warmup}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     shapes = tuple(tuple(s) for s in shapes)
     if not shapes:
         raise ValueError("need at least one (batch, seq_len) shape")
@@ -330,6 +353,8 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
     plain_bert = models["hf_compile"][0].model
     ort = {"skipped": None}
     missing = _ort_missing() if include_ort else "left out (include_ort=False / --no-ort)"
+    if dtype == "bfloat16" and missing is None:
+        missing = "float32 only (its CPU execution provider has no bfloat16 kernels for this model)"
     if missing is None:
         say("ONNX Runtime: torch.onnx.export, onnxruntime.transformers.optimizer, session")
         _, features = sentence_batch(models["ort"], 2, 16, seed)
@@ -347,18 +372,22 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
     optimize(models["substation"])
     optimize_seconds = time.perf_counter() - t0
     replaced, builds = compiled_layers(models["substation"])
+    if dtype == "bfloat16":
+        builds = {k: c.for_autocast() for k, c in builds.items()}
     inference = [c.forward_only() for c in builds.values()]
     sub_threads = [set_substation_threads(c, threads) for c in (*builds.values(), *inference)]
 
     results = {}
     for b, j in shapes:
         results[f"{b}x{j}"] = _bench_shape(models, reference, plain_bert, b, j, rounds, warmup,
-                                           compile_backend if include_compile else None, seed, say)
+                                           compile_backend if include_compile else None, seed, dtype, say)
     if include_compile:
         torch._dynamo.reset()  # its caches keep the compiled model alive
     c = spec.config
     return {
-        "schema": SCHEMA, "mode": "eval", "dtype": "float32",
+        "schema": SCHEMA, "mode": "eval", "dtype": dtype,
+        "precision": ("torch.autocast('cpu', dtype=torch.bfloat16) around float32 weights" if dtype == "bfloat16"
+                      else "float32"),
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,
                   "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "num_heads": c.num_attention_heads,
                   "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "hidden_act": c.hidden_act,
@@ -394,18 +423,18 @@ def format_bench_model_eval(r: dict) -> str:
     load = mc.get("load_average")
     lines = [f"{m['name']}: {m['num_layers']} layers, I={m['hidden_size']} H={m['num_heads']} "
              f"U={m['intermediate_size']}; {m['source']}",
-             f"eval mode, torch.inference_mode, float32; machine: {mc['cpu']}, {mc['cores']} logical CPUs; "
+             f"eval mode, torch.inference_mode, {r['precision']}; machine: {mc['cpu']}, {mc['cores']} logical CPUs; "
              f"threads: {r['threads']}" + (f"; load average {load[0]:.2f}" if load else ""),
              "ONNX Runtime: " + (f"skipped ({r['ort']['skipped']})" if r["ort"]["skipped"] else
                                  f"{r['ort']['onnxruntime']}, fused {r['ort']['fused_operators']}")]
     for key, s in r["shapes"].items():
         lines.append(f"[{key}] {s['mask']}; medians of {r['rounds']} interleaved rounds (ms), "
-                     f"max abs error vs float64 (x HF float32's)")
+                     f"max abs error vs float64 (x HF eager's)")
         for api in APIS:
             a = s[api]
             lines.append(f"  {api}:")
             for n, med in a["median_seconds"].items():
-                ratio = a["error_ratio_vs_hf_float32"][n]
+                ratio = a["error_ratio_vs_hf"][n]
                 lines.append(f"    {_LABELS[n]:<17}{med * 1e3:>10.2f}   error {a['max_abs_error_vs_float64'][n]:.2e}"
                              + ("" if ratio is None else f" ({ratio:.2f}x)"))
             lines.append("    substation speedup: " + ", ".join(

@@ -13,8 +13,9 @@ import torch
 
 from ..config import EncoderConfig
 from .library import CompiledLayer, parameter_names, registered_layer
+from .packing import pack_cu_seqlens, pack_key_mask, run_packed
 
-__all__ = ["check_mask", "key_mask", "run_layer"]
+__all__ = ["check_mask", "key_mask", "run_layer", "run_layer_varlen"]
 
 
 def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
@@ -76,6 +77,11 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
     given = {"X": x, **dict(zip(names, params)), **casts}
     if compiled.config.mask != "none":
         m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
+        packed = pack_key_mask(m, compiled.config) if forward_only and m is not None and x.device.type == "cpu" \
+            else None
+        if packed is not None:  # padded tokens are not computed: their rows of Y are zeros
+            given.pop("X")
+            return [run_packed(compiled.forward, given, x.view(b * j, -1), packed).view(x.shape)]
         given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
     out = compiled.forward(given, b, j, int(seed.item()), training)
     if forward_only:
@@ -287,3 +293,49 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if cast and params and all(p.dtype == torch.float32 for p in params):
         return outputs[0].float()
     return outputs[0]
+
+
+def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                     params: "list[torch.Tensor]", training: bool) -> torch.Tensor:
+    """Run a compiled layer on packed variable-length sequences (FlashAttention's varlen convention):
+    ``hidden_states`` [N, I] holds sequence b in rows ``cu_seqlens[b]:cu_seqlens[b+1]``; each sequence
+    attends only to its own tokens.
+
+    The sequences run in groups of similar length (:func:`substation.runtime.packing.plan_groups`), each
+    group one :func:`run_layer` call on an [n, L] block (shorter sequences padded there with masked keys;
+    a layer compiled with ``mask: none`` groups equal lengths only). Differentiable in the input and every
+    parameter; dropout, autocast and the forward-only build as in :func:`run_layer`.
+
+    Args:
+        compiled: the layer. hidden_states: [N, I] of the layer's dtype. cu_seqlens: integer [B + 1]
+            offsets (0, ..., N), on the CPU or the input's device. params: as for :func:`run_layer`.
+        training: the module's training flag.
+
+    Returns:
+        [N, I], the output of every token.
+
+    Raises:
+        TypeError: not a tensor, a float cu_seqlens. ValueError: hidden_states not [N, I] with the
+            layer's I, or bad offsets (see :func:`~substation.runtime.packing.pack_cu_seqlens`); the
+            checks of :func:`run_layer`.
+    """
+    x = hidden_states
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != compiled.config.hidden_size:
+        raise ValueError(f"packed hidden_states must have shape [N, I] with I = {compiled.config.hidden_size}; "
+                         f"got {tuple(x.shape)}")
+    packed = pack_cu_seqlens(cu_seqlens.cpu() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
+                             x.shape[0], compiled.config)
+    if not packed.groups:  # N = 0
+        return x.clone()
+    gather = packed.gather.to(x.device)
+    outputs = []
+    for g in packed.groups:
+        rows = gather[g.start:g.start + g.batch * g.seq]
+        xg = x.index_select(0, rows).view(g.batch, g.seq, -1)
+        mask = g.key_mask(_mask_dtype(compiled)).to(x.device) if g.padded else None
+        outputs.append(run_layer(compiled, xg, params, training, attention_mask=mask).flatten(0, 1))
+    slot_of_row = torch.empty(packed.rows, dtype=torch.int64)
+    slot_of_row[packed.real_rows] = packed.real_slots
+    return torch.cat(outputs).index_select(0, slot_of_row.to(x.device))

@@ -1,0 +1,126 @@
+"""Attention fusion for forward-only CPU builds: ``scores -> [mask] -> softmax -> context`` becomes one
+``attention`` operator (:mod:`substation.ops.attention`), so the [B, H, J, K] scores and probabilities
+never reach memory.
+
+The rewrite applies where the graph allows it (the chain's intermediates are temporaries read by the
+chain alone, the operands carry the letters B, J/K, H, P) and it saves bytes: the unfused chain writes
+and reads the scores, the masked scores and the probabilities, 2 x (2 or 3) x B H J K elements, which
+the fused kernel keeps in a cache-sized block per thread. It is for builds without backward (the
+probabilities are not kept) whose contractions run on float or double GEMMs; bfloat16 builds keep
+their attention products on oneDNN's AMX / AVX512-BF16 matmul.
+"""
+from __future__ import annotations
+
+from ..ir.graph import GraphBuilder, LayerGraph, access_letters
+
+__all__ = ["AttentionChain", "find_attention", "fuse_attention", "applies_to"]
+
+_Q, _KV, _Y, _SCORES = frozenset("BJHP"), frozenset("BKHP"), frozenset("BJHP"), frozenset("BHJK")
+
+
+class AttentionChain:
+    """The operators of one attention chain and what fusing them saves.
+
+    Attributes:
+        scores, mask, softmax, context: the operators (``mask`` None without a mask).
+        intermediates: the temporaries that disappear (``S``, ``S_masked``, ``A``).
+    """
+
+    def __init__(self, scores, mask, softmax, context, intermediates):
+        self.scores, self.mask, self.softmax, self.context = scores, mask, softmax, context
+        self.intermediates = intermediates
+
+    def bytes_saved(self, graph: LayerGraph, sizes: dict[str, int], itemsize: int) -> int:
+        """Bytes the fused kernel does not move at ``sizes``: each intermediate written once and read once.
+
+        Args:
+            graph: the graph. sizes: dimension sizes by letter. itemsize: bytes per element.
+        """
+        total = 0
+        for t in self.intermediates:
+            n = 1
+            for d in graph.tensors[t].dims:
+                n *= sizes[d]
+            total += 2 * n * itemsize
+        return total
+
+
+def applies_to(graph: LayerGraph, has_backward: bool) -> bool:
+    """Whether the rewrite is for this build: target ``cpu``, float32 or float64, no backward graph."""
+    cfg = graph.config
+    return cfg.target == "cpu" and cfg.dtype in ("float32", "float64") and not has_backward
+
+
+def find_attention(graph: LayerGraph) -> AttentionChain | None:
+    """The unfused graph's attention chain, or None when the graph has none that can be fused."""
+    ops = graph.operators()
+    readers: dict[str, list] = {}
+    for op in ops:
+        for t, _ in graph.inputs_of(op).values():
+            readers.setdefault(t, []).append(op)
+
+    def only_reader(tensor):
+        found = readers.get(tensor, [])
+        info = graph.tensors.get(tensor)
+        return found[0] if len(found) == 1 and info is not None and info.role == "temp" else None
+
+    for scores in ops:
+        if scores.kind != "contraction" or set(graph.inputs_of(scores)) != {"q", "k"}:
+            continue
+        (s_name, s_acc), = graph.outputs_of(scores).values()
+        nxt, mask, chain = only_reader(s_name), None, [s_name]
+        if nxt is not None and nxt.kind == "mask":
+            mask, (masked, _) = nxt, graph.outputs_of(nxt)["y"]
+            chain.append(masked)
+            nxt = only_reader(masked)
+        if nxt is None or nxt.kind != "softmax" or nxt.attrs.get("axis") != "K":
+            continue
+        softmax, (a_name, _) = nxt, graph.outputs_of(nxt)["y"]
+        context = only_reader(a_name)
+        if context is None or context.kind != "contraction" or set(graph.inputs_of(context)) != {"attn", "v"}:
+            continue
+        ins = graph.inputs_of(scores)
+        letters = {c: frozenset(access_letters(a)) for c, (_, a) in
+                   (("q", ins["q"]), ("k", ins["k"]), ("v", graph.inputs_of(context)["v"]),
+                    ("y", graph.outputs_of(context)["y"]), ("s", (s_name, s_acc)))}
+        if (letters["q"], letters["k"], letters["v"], letters["y"], letters["s"]) != (_Q, _KV, _KV, _Y, _SCORES):
+            continue
+        return AttentionChain(scores, mask, softmax, context, chain + [a_name])
+    return None
+
+
+def fuse_attention(graph: LayerGraph) -> LayerGraph:
+    """``graph`` with its attention chain (:func:`find_attention`) replaced by one ``attention``
+    operator named ``attention``; the graph itself when it has no such chain (or fusing saves nothing).
+
+    Args:
+        graph: an unfused forward graph (the layout pass has not run: tensors have their logical
+            layouts, P innermost).
+
+    Returns:
+        A new :class:`LayerGraph`, or ``graph``.
+    """
+    chain = find_attention(graph)
+    if chain is None or chain.bytes_saved(graph, graph.config.sizes(), graph.config.itemsize) <= 0:
+        return graph
+    dropped = {chain.scores.label, chain.softmax.label} | ({chain.mask.label} if chain.mask is not None else set())
+    b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
+    for name, info in graph.tensors.items():
+        if name not in chain.intermediates:
+            b.tensor(name, info.dims, info.role, info.layout)
+    for op in graph.operators():
+        if op.label in dropped:
+            continue
+        if op is chain.context:
+            ins = {"q": graph.inputs_of(chain.scores)["q"], "k": graph.inputs_of(chain.scores)["k"],
+                   "v": graph.inputs_of(op)["v"]}
+            attrs = {"alpha": chain.scores.attrs.get("alpha", 1.0), "causal": False}
+            if chain.mask is not None:
+                ins["m"] = graph.inputs_of(chain.mask)["m"]
+                attrs["causal"] = bool(chain.mask.attrs.get("causal", False))
+            b.op("attention", "attention", "TC", {c: f"{t}[{a}]" for c, (t, a) in ins.items()},
+                 {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(op).items()}, **attrs)
+            continue
+        b.op(op.label, op.kind, op.op_class, {c: f"{t}[{a}]" for c, (t, a) in graph.inputs_of(op).items()},
+             {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(op).items()}, **op.attrs)
+    return b.finish()

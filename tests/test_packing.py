@@ -1,0 +1,151 @@
+"""Packed variable-length batches: grouping by cost, padded batches computed on their real tokens only
+(inference), and the ``cu_seqlens`` varlen API (differentiable), against the float64 reference."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from conftest import make_layer, reference_for, rel
+from substation.config import load_config
+from substation.runtime import CompiledGraph
+from substation.runtime.packing import group_cost, pack_cu_seqlens, pack_key_mask, plan_groups
+
+TINY = load_config("configs/tiny.yaml")
+MINILM = load_config("configs/minilm-l6.yaml")
+
+
+def _cost(groups, lengths, config):
+    return sum(group_cost(len(g), max(lengths[b] for b in g), config) for g in groups)
+
+
+def test_groups_split_where_padding_costs_more_than_a_call():
+    # the benchmark's batch: 16 rows of 128 tokens and 16 of 96
+    lengths = [128] * 16 + [96] * 16
+    groups = plan_groups(lengths, MINILM)
+    assert groups == [list(range(16)), list(range(16, 32))]
+    assert plan_groups([100, 99, 98], MINILM) == [[0, 1, 2]]  # one call beats padding 2 tokens each
+    assert plan_groups([5, 7, 5], MINILM, exact=True) == [[1], [0, 2]]
+
+
+def test_grouping_is_optimal_over_every_contiguous_split():
+    rng = random.Random(0)
+    for _ in range(30):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 7))]
+        got = _cost(plan_groups(lengths, MINILM), lengths, MINILM)
+        order = sorted(range(len(lengths)), key=lambda b: -lengths[b])
+        best = float("inf")
+        for cuts in itertools.product((0, 1), repeat=len(order) - 1):
+            groups, cur = [], [order[0]]
+            for c, b in zip(cuts, order[1:]):
+                if c:
+                    groups.append(cur)
+                    cur = []
+                cur.append(b)
+            best = min(best, _cost(groups + [cur], lengths, MINILM))
+        assert got == pytest.approx(best)
+
+
+def test_masks_that_pack_and_masks_that_do_not():
+    b, j = 4, 9
+    inf = float("-inf")
+    mask = torch.zeros(b, j, dtype=torch.float64)
+    assert pack_key_mask(mask, TINY) is None  # nothing padded
+    mask[1, 5:] = torch.finfo(torch.float32).min  # Hugging Face's additive value
+    mask[2, :2] = -10000.0  # older BERT code
+    mask[3, :] = inf
+    packed = pack_key_mask(mask, TINY)
+    assert packed is not None and packed.rows == b * j
+    assert sum(sum(g.lengths) for g in packed.groups) == 9 + 5 + 7  # row 3 has no group
+    assert set(packed.real_rows.tolist()) == set(torch.nonzero((mask == 0).flatten()).flatten().tolist())
+    soft = torch.zeros(b, j, dtype=torch.float64)
+    soft[0, 3] = -2.0  # a soft bias is not padding
+    assert pack_key_mask(soft, TINY) is None
+
+
+def _counting(monkeypatch):
+    calls = []
+    original = CompiledGraph.run_into
+
+    def run_into(self, tensors, batch, seq, *args, **kwargs):
+        calls.append((batch, seq))
+        return original(self, tensors, batch, seq, *args, **kwargs)
+    monkeypatch.setattr(CompiledGraph, "run_into", run_into)
+    return calls
+
+
+def test_padded_batch_in_inference_runs_real_tokens_only(monkeypatch):
+    layer = make_layer(TINY).eval()
+    ref = reference_for(layer).eval()
+    b, j = 5, 12
+    torch.manual_seed(2)
+    x = torch.randn(b, j, TINY.hidden_size, dtype=torch.float64)
+    pad = torch.zeros(b, j, dtype=torch.bool)
+    pad[1, 8:] = True  # right padding
+    pad[2, :5] = True  # left padding
+    pad[3, [1, 4, 6]] = True  # holes
+    pad[4, :] = True  # no real token
+    calls = _counting(monkeypatch)
+    with torch.inference_mode():
+        y = layer(x, key_padding_mask=pad)
+    additive = torch.zeros(b, j, dtype=torch.float64).masked_fill(pad, float("-inf"))
+    want = ref(x, additive).detach()
+    real = ~pad
+    assert rel(y[real], want[real]) <= 1e-13
+    assert float(y[pad].abs().max()) == 0.0  # padded positions: zeros
+    computed = sum(n * s for n, s in calls)
+    assert computed < b * j and computed >= int(real.sum())
+    # with gradients the padded batch runs as one call and pads are computed (training semantics)
+    calls.clear()
+    y_grad = layer(x.clone().requires_grad_(), key_padding_mask=pad)
+    assert calls == [(b, j)]
+    assert rel(y_grad[real], want[real]) <= 1e-13
+
+
+def test_varlen_matches_each_sequence_alone_with_gradients():
+    layer = make_layer(TINY).eval()
+    ref = reference_for(layer).eval()
+    lengths = [7, 3, 0, 5, 1, 7, 12]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    torch.manual_seed(3)
+    x = torch.randn(int(cu[-1]), TINY.hidden_size, dtype=torch.float64)
+    g = torch.randn_like(x)
+    xs = x.clone().requires_grad_()
+    y = layer.forward_varlen(xs, cu)
+    y.backward(g)
+    xr = x.clone().requires_grad_()
+    parts = [ref(xr[a:e].unsqueeze(0)).squeeze(0) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()) if e > a]
+    want = torch.cat(parts)
+    want.backward(g)
+    assert y.shape == x.shape and rel(y, want) <= 1e-13
+    assert rel(xs.grad, xr.grad) <= 1e-12
+    ref_grads = dict(ref.named_parameters())
+    for name, p in layer.named_parameters():
+        assert rel(p.grad, ref_grads[name].grad) <= 1e-12, name
+    with torch.no_grad():
+        assert rel(layer.forward_varlen(x, cu.long()), want) <= 1e-13
+
+
+def test_varlen_rejects_bad_offsets():
+    layer = make_layer(TINY).eval()
+    x = torch.randn(10, TINY.hidden_size, dtype=torch.float64)
+    for cu, error, words in (
+            (torch.tensor([1, 10]), ValueError, "start at 0"),
+            (torch.tensor([0, 6, 4, 10]), ValueError, "not decrease"),
+            (torch.tensor([0, 4, 9]), ValueError, "N = 10"),
+            (torch.tensor([[0, 10]]), ValueError, "1-D"),
+            (torch.tensor([0.0, 10.0]), TypeError, "integer")):
+        with pytest.raises(error, match=words):
+            layer.forward_varlen(x, cu)
+    with pytest.raises(ValueError, match=r"\[N, I\]"):
+        layer.forward_varlen(x.unsqueeze(0), torch.tensor([0, 10]))
+
+
+def test_layout_of_a_packed_batch():
+    packed = pack_cu_seqlens(torch.tensor([0, 4, 5, 9]), 9, TINY)
+    assert packed.covers_all_rows and packed.slots >= 9
+    assert sorted(packed.real_rows.tolist()) == list(range(9))
+    for group in packed.groups:
+        assert group.seq == max(group.lengths) and group.start + group.batch * group.seq <= packed.slots
