@@ -37,7 +37,7 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
     import torch
 
     from .layer import EncoderLayer
-    from .perf.baselines import padding_mask
+    from .perf.baselines import padding_mask, real_token_error
     from .reference import ReferenceEncoderLayer
 
     fwd, bwd = compiled.forward.graph, compiled.backward.graph
@@ -59,7 +59,7 @@ def _compile_cuda_finish(args, config, compiled, out: str, total: float) -> int:
         layer.eval(), ref.eval()
         with torch.no_grad():
             y, y_ref = layer(xs, ms).float(), ref(x, mask)
-        err = float((y - y_ref).abs().max() / y_ref.abs().max())
+        err = real_token_error(y, y_ref, ms)
         eager = ReferenceEncoderLayer(config, layer.torch_dtype).cuda()
         eager.load_state_dict(layer.state_dict())
         layer.train(), eager.train()
@@ -107,7 +107,7 @@ def cmd_compile(args) -> int:
 
     from .config import load_config
     from .layer import EncoderLayer
-    from .perf.baselines import padding_mask
+    from .perf.baselines import padding_mask, real_token_error
     from .perf.timing import Candidate, interleaved_times
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
@@ -141,7 +141,7 @@ def cmd_compile(args) -> int:
     layer.eval(), ref.eval()
     with torch.no_grad():
         y, y_ref = layer(x, mask), ref(x, mask)
-    err = float((y - y_ref).abs().max() / y_ref.abs().max())
+    err = real_token_error(y, y_ref, mask)
     layer.train(), ref.train()
     times = interleaved_times([Candidate("substation", lambda t: layer(t, mask), list(layer.parameters())),
                                Candidate("pytorch_eager", lambda t: ref(t, mask), list(ref.parameters()))],

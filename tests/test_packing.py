@@ -11,7 +11,7 @@ import torch
 from conftest import make_layer, reference_for, rel
 from substation.config import load_config
 from substation.runtime import CompiledGraph
-from substation.runtime.packing import group_cost, pack_cu_seqlens, pack_key_mask, plan_groups
+from substation.runtime.packing import group_cost, pack_cu_seqlens, pack_key_mask, plan_groups, real_tokens
 
 TINY = load_config("configs/tiny.yaml")
 MINILM = load_config("configs/minilm-l6.yaml")
@@ -52,17 +52,19 @@ def test_masks_that_pack_and_masks_that_do_not():
     b, j = 4, 9
     inf = float("-inf")
     mask = torch.zeros(b, j, dtype=torch.float64)
-    assert pack_key_mask(mask, TINY) is None  # nothing padded
+    assert real_tokens(mask) is None  # nothing padded
     mask[1, 5:] = torch.finfo(torch.float32).min  # Hugging Face's additive value
     mask[2, :2] = -10000.0  # older BERT code
     mask[3, :] = inf
-    packed = pack_key_mask(mask, TINY)
+    real = real_tokens(mask)
+    assert torch.equal(real, mask == 0)
+    packed = pack_key_mask(real, TINY)
     assert packed is not None and packed.rows == b * j
     assert sum(sum(g.lengths) for g in packed.groups) == 9 + 5 + 7  # row 3 has no group
     assert set(packed.real_rows.tolist()) == set(torch.nonzero((mask == 0).flatten()).flatten().tolist())
     soft = torch.zeros(b, j, dtype=torch.float64)
     soft[0, 3] = -2.0  # a soft bias is not padding
-    assert pack_key_mask(soft, TINY) is None
+    assert real_tokens(soft) is None
 
 
 def _counting(monkeypatch):
@@ -104,6 +106,20 @@ def test_padded_batch_in_inference_runs_real_tokens_only(monkeypatch):
     assert rel(y_grad[real], want[real]) <= 1e-13
 
 
+def test_inference_zeros_padded_positions_also_when_packing_does_not_pay(monkeypatch):
+    layer = make_layer(TINY).eval()
+    ref = reference_for(layer).eval()
+    x = torch.randn(2, 7, TINY.hidden_size, dtype=torch.float64)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 6] = True  # one padded token: one padded call costs less than two
+    calls = _counting(monkeypatch)
+    with torch.no_grad():
+        y = layer(x, key_padding_mask=pad)
+    assert calls == [(2, 7)]
+    want = ref(x, torch.zeros(2, 7, dtype=torch.float64).masked_fill(pad, float("-inf")))
+    assert float(y[pad].abs().max()) == 0.0 and rel(y[~pad], want[~pad]) <= 1e-13
+
+
 def test_varlen_matches_each_sequence_alone_with_gradients():
     layer = make_layer(TINY).eval()
     ref = reference_for(layer).eval()
@@ -133,8 +149,9 @@ def test_varlen_rejects_bad_offsets():
     x = torch.randn(10, TINY.hidden_size, dtype=torch.float64)
     for cu, error, words in (
             (torch.tensor([1, 10]), ValueError, "start at 0"),
-            (torch.tensor([0, 6, 4, 10]), ValueError, "not decrease"),
-            (torch.tensor([0, 4, 9]), ValueError, "N = 10"),
+            (torch.tensor([0, 6, 4, 10]), ValueError, r"not decrease \(entry 2: 4 < 6\)"),
+            (torch.tensor([0, 4, 9]), ValueError, "end at N = 10"),
+            (torch.tensor([0, 10], device="meta"), ValueError, "meta device"),
             (torch.tensor([[0, 10]]), ValueError, "1-D"),
             (torch.tensor([0.0, 10.0]), TypeError, "integer")):
         with pytest.raises(error, match=words):

@@ -243,31 +243,17 @@ class Family:
     def tensors(self, layer: nn.Module) -> list[torch.Tensor]:
         """The layer's current weights as Substation's parameters, in :data:`PARAMETER_NAMES` order and
         PyTorch's shapes (``in_proj_weight`` [3I, I] = Q, K, V concatenated, differentiably; a missing
-        Q/K/V bias is zeros). Read on every call, so replaced or loaded parameters are seen.
-
-        Without autograd (``torch.no_grad``, ``inference_mode``) a concatenation is kept on the layer and
-        reused while its parts are the same tensors at the same version (an in-place update, a load or
-        a replaced parameter makes it again): inference calls do not copy the Q/K/V weights each time."""
-        cache = None if torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            else layer.__dict__.setdefault("_substation_stacked", {})
+        Q/K/V bias is zeros). Read on every call, so replaced or loaded parameters are seen."""
         out = []
         for name in PARAMETER_NAMES:
             parts = [_get(layer, p) for p in self.paths[name]]
             if len(parts) == 1:
                 out.append(parts[0])
-                continue
-            if all(t is None for t in parts):  # bias=False projections (ViT's qkv_bias=False)
+            elif all(t is None for t in parts):  # bias=False projections (ViT's qkv_bias=False)
                 w = _get(layer, self.paths["in_proj_weight"][0])
                 out.append(torch.zeros(3 * w.shape[0], dtype=w.dtype, device=w.device))
-                continue
-            if cache is None:
+            else:
                 out.append(torch.cat(parts, dim=0))
-                continue
-            versions = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in parts)
-            hit = cache.get(name)  # (parts, their versions, concatenation); parts kept so ids stay unique
-            if hit is None or hit[1] != versions or any(a is not b for a, b in zip(hit[0], parts)):
-                hit = cache[name] = (tuple(parts), versions, torch.cat(parts, dim=0))
-            out.append(hit[2])
         return out
 
 

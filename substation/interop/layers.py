@@ -156,7 +156,6 @@ class SubstationLayer:
         state = dict(state)
         state["substation_compiled"] = compiled_state(self.substation_compiled)
         state.pop("_substation_seen", None)
-        state.pop("_substation_stacked", None)
         return state
 
     def __setstate__(self, state):

@@ -31,6 +31,18 @@ def padding_mask(config, batch: int, seq: int, dtype):
     return torch.zeros(batch, seq, dtype=dtype).masked_fill_(padded_positions(batch, seq), float("-inf"))
 
 
+def real_token_error(y, y_ref, mask) -> float:
+    """max |y - y_ref| / max |y_ref| over the real tokens of [B, J, I] outputs: the positions whose key
+    mask ``mask`` ([B, K] additive, 0 = real) is 0, or all positions when ``mask`` is None. Inference
+    calls of Substation's layer return zeros at padded positions, which no other implementation does,
+    so comparisons leave those out. Raises nothing."""
+    diff, ref = (y.double() - y_ref.double()).abs(), y_ref.double().abs()
+    if mask is not None:
+        real = (mask == 0).to(diff.device)
+        diff, ref = diff[real], ref[real]
+    return float(diff.max() / ref.max())
+
+
 def _hf_eligible(config) -> bool:
     return (config.layer_norm == "post" and config.mask in ("padding", "none")
             and config.dropout.activation == 0.0 and config.activation in HF_ACTIVATIONS)

@@ -39,7 +39,7 @@ from ..config import load_config
 from ..layer import EncoderLayer
 from ..pipeline import MODES, compile_layer
 from .analysis import analyze, measure, operator_count
-from .baselines import eager_baseline, padding_mask
+from .baselines import eager_baseline, padding_mask, real_token_error
 from .probes import copy_bandwidth, fma_peak, gemm_rate, machine_info
 from .timing import (PASSES, Candidate, env_var, fresh_inductor_cache, interleaved_times, sample_stats,
                      saved_tensor_bytes, set_substation_threads, time_step)
@@ -176,7 +176,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     layer.eval(), eager.eval()
     with torch.no_grad():
         y_sub, y_ref = call_sub(x), call_eager(eager, x, mask)
-    rel_err = float((y_sub - y_ref).abs().max() / y_ref.abs().max())
+    rel_err = real_token_error(y_sub, y_ref, mask)
     layer.train(train), eager.train(train)
     if not train:
         say("building the inference build")

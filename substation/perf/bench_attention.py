@@ -141,7 +141,8 @@ def format_bench_attention(r: dict) -> str:
              f"{'layer ms fused':>15} {'layer x':>8}"]
     for row in r["lengths"]:
         b, w, a, lay = row["bytes"], row["workspace_bytes"], row["attention_seconds"], row["layer_seconds"]
-        lines.append(f"{row['batch_size']:>4} x {row['seq_len']:<4} {b['unfused'] / 1e6:>11.1f} {b['fused'] / 1e6:>9.1f} "
+        lines.append(f"{row['batch_size']:>4} x {row['seq_len']:<4} {b['unfused'] / 1e6:>11.1f} "
+                     f"{b['fused'] / 1e6:>9.1f} "
                      f"{w['unfused'] / 2**20:>12.1f} {w['fused'] / 2**20:>13.1f} "
                      f"{a['unfused']['median'] * 1e3:>13.2f} {a['fused']['median'] * 1e3:>14.2f} "
                      f"{row['attention_speedup']:>7.2f} {lay['unfused']['median'] * 1e3:>14.1f} "

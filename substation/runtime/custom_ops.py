@@ -13,7 +13,7 @@ import torch
 
 from ..config import EncoderConfig
 from .library import CompiledLayer, parameter_names, registered_layer
-from .packing import pack_cu_seqlens, pack_key_mask, run_packed
+from .packing import pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
 __all__ = ["check_mask", "key_mask", "run_layer", "run_layer_varlen"]
 
@@ -75,17 +75,20 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
     cast_names = _cast_names(compiled, params)
     casts = {n: p.to(compiled.forward.dtypes[n]) for n, p in zip(names, params) if n in cast_names}
     given = {"X": x, **dict(zip(names, params)), **casts}
+    real = None
     if compiled.config.mask != "none":
         m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
-        packed = pack_key_mask(m, compiled.config) if forward_only and m is not None and x.device.type == "cpu" \
-            else None
-        if packed is not None:  # padded tokens are not computed: their rows of Y are zeros
+        # Inference with a padding mask: padded positions are zeros, and padded tokens are not computed
+        # where packing saves work (CPU).
+        real = real_tokens(m) if forward_only and m is not None else None
+        packed = pack_key_mask(real, compiled.config) if real is not None and x.device.type == "cpu" else None
+        if packed is not None:
             given.pop("X")
             return [run_packed(compiled.forward, given, x.view(b * j, -1), packed).view(x.shape)]
         given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
     out = compiled.forward(given, b, j, int(seed.item()), training)
     if forward_only:
-        return [out["Y"]]
+        return [out["Y"] if real is None else out["Y"].masked_fill_(~real.unsqueeze(-1), 0)]
     return [out[n] for n in compiled.produced_names] + [casts[n] for n in names if n in casts]
 
 
@@ -325,8 +328,7 @@ def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_se
     if x.dim() != 2 or x.shape[1] != compiled.config.hidden_size:
         raise ValueError(f"packed hidden_states must have shape [N, I] with I = {compiled.config.hidden_size}; "
                          f"got {tuple(x.shape)}")
-    packed = pack_cu_seqlens(cu_seqlens.cpu() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
-                             x.shape[0], compiled.config)
+    packed = pack_cu_seqlens(cu_seqlens, x.shape[0], compiled.config)
     if not packed.groups:  # N = 0
         return x.clone()
     gather = packed.gather.to(x.device)

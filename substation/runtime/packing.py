@@ -24,7 +24,7 @@ import torch
 from ..config import EncoderConfig
 
 __all__ = ["CALL_TOKENS", "MASKED_BELOW", "PackedBatch", "SequenceGroup", "group_cost", "pack_cu_seqlens",
-           "pack_key_mask", "plan_groups", "run_packed"]
+           "pack_key_mask", "plan_groups", "real_tokens", "run_packed"]
 
 #: Fixed cost of one library call (Python and ctypes dispatch, GEMM edge blocks), in tokens of
 #: token-wise work: 0.5 ms per call against ~11 us per token of an all-MiniLM-L6-v2 layer (float32, 2 threads).
@@ -168,26 +168,34 @@ def _packed_batch(rows: int, sequences: list[torch.Tensor], config: EncoderConfi
     return PackedBatch(rows, tuple(groups), cat(gather), cat(real_slots), cat(real_rows))
 
 
-def pack_key_mask(mask: torch.Tensor, config: EncoderConfig) -> PackedBatch | None:
-    """The packing of a padded batch [B, J] (rows ``b * J + j``) by its additive key mask, or None
-    when packing would not save work.
-
-    Packs when every mask value is 0 (attend) or at most :data:`MASKED_BELOW` (padding: any positions,
-    left padding and holes included) and the groups' :func:`group_cost` plus the copies is below the
-    padded batch's. Query positions that are padding are not computed (the caller writes zeros there);
-    a sequence with no real token gets no group.
+def real_tokens(mask: torch.Tensor) -> torch.Tensor | None:
+    """The real (unpadded) positions [B, K] bool of an additive key mask that is a padding mask: every
+    value 0 (attend) or at most :data:`MASKED_BELOW` (padding: any positions, left padding and holes
+    included); None when some value is in between (a soft mask) or nothing is padded.
 
     Args:
-        mask: additive [B, K] key mask, floating point, on the CPU.
+        mask: additive [B, K] key mask, floating point.
+    """
+    real = mask == 0
+    if not bool((real | (mask <= MASKED_BELOW)).all()) or bool(real.all()):
+        return None
+    return real
+
+
+def pack_key_mask(real: torch.Tensor, config: EncoderConfig) -> PackedBatch | None:
+    """The packing of a padded batch [B, J] (rows ``b * J + j``) whose real positions are ``real``, or
+    None when packing would not save work: the groups' :func:`group_cost` plus the copies is not below
+    the padded batch's. Query positions that are padding are not computed (the caller writes zeros
+    there); a sequence with no real token gets no group.
+
+    Args:
+        real: bool [B, K] on the CPU (:func:`real_tokens`).
         config: the layer's config.
 
     Returns:
         A :class:`PackedBatch` over R = B x K rows, or None.
     """
-    batch, seq = mask.shape
-    real = mask == 0
-    if not bool((real | (mask <= MASKED_BELOW)).all()) or bool(real.all()):
-        return None
+    batch, seq = real.shape
     sequences = [torch.nonzero(r).flatten() + b * seq for b, r in enumerate(real)]
     packed = _packed_batch(batch * seq, sequences, config, exact=False)
     cost = sum(group_cost(g.batch, g.seq, config) for g in packed.groups) + COPY_TOKENS * packed.slots
@@ -198,7 +206,7 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
     """The packing of N packed tokens whose sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
 
     Args:
-        cu_seqlens: integer [B + 1], starting at 0, non-decreasing, ending at N.
+        cu_seqlens: integer [B + 1], starting at 0, non-decreasing, ending at N; on any device with data.
         rows: N, the packed tokens.
         config: the layer's config (``mask: none``: only equal lengths share a group).
 
@@ -206,18 +214,27 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
         A :class:`PackedBatch` over the N rows.
 
     Raises:
-        TypeError: not an integer tensor. ValueError: not 1-D with B >= 1, not starting at 0, decreasing,
-            or not ending at N (the message gives the offsets).
+        TypeError: not an integer tensor. ValueError: not 1-D with B >= 1, on the meta device, not
+            starting at 0, decreasing, or not ending at N (each its own message, with the offsets).
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got "
                         f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+    if cu_seqlens.is_meta:
+        raise ValueError("cu_seqlens is on the meta device (no data); pass the offsets on the CPU or on the "
+                         "input's device")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D [B + 1] with B >= 1, got shape {tuple(cu_seqlens.shape)}")
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != rows or any(b < a for a, b in zip(offsets, offsets[1:])):
-        shown = offsets if len(offsets) <= 12 else offsets[:6] + ["..."] + offsets[-6:]
-        raise ValueError(f"cu_seqlens must start at 0, not decrease and end at N = {rows} packed tokens; got {shown}")
+    offsets = cu_seqlens.cpu().tolist()
+    shown = offsets if len(offsets) <= 12 else offsets[:6] + ["..."] + offsets[-6:]
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {shown}")
+    drop = next((b for b in range(1, len(offsets)) if offsets[b] < offsets[b - 1]), None)
+    if drop is not None:
+        raise ValueError(f"cu_seqlens must not decrease (entry {drop}: {offsets[drop]} < {offsets[drop - 1]}); "
+                         f"got {shown}")
+    if offsets[-1] != rows:
+        raise ValueError(f"cu_seqlens must end at N = {rows}, the packed tokens of hidden_states; got {shown}")
     sequences = [torch.arange(a, b) for a, b in zip(offsets, offsets[1:])]
     return _packed_batch(rows, sequences, config, exact=config.mask == "none")
 
