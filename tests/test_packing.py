@@ -162,7 +162,7 @@ def test_varlen_rejects_bad_offsets():
 
 def test_layout_of_a_packed_batch():
     packed = pack_cu_seqlens(torch.tensor([0, 4, 5, 9]), 9, TINY)
-    assert packed.covers_all_rows and packed.slots >= 9
+    assert packed.real_rows.numel() == packed.rows == 9 and packed.slots >= 9
     assert sorted(packed.real_rows.tolist()) == list(range(9))
     for group in packed.groups:
         assert group.seq == max(group.lengths) and group.start + group.batch * group.seq <= packed.slots

@@ -139,20 +139,20 @@ class PackedBatch:
         """S, tokens computed (real and padding)."""
         return int(self.gather.numel())
 
-    @property
-    def covers_all_rows(self) -> bool:
-        """Whether every source row is a real token (packed input: nothing to zero in the result)."""
-        return int(self.real_rows.numel()) == self.rows
 
-
-def _packed_batch(rows: int, sequences: list[torch.Tensor], config: EncoderConfig, exact: bool) -> PackedBatch:
-    """The :class:`PackedBatch` of sequences given by their source rows (int64 tensors, in order)."""
-    lengths = [int(s.numel()) for s in sequences]
+def _live_groups(lengths: list[int], config: EncoderConfig, exact: bool) -> list[list[int]]:
+    """:func:`plan_groups` of the sequences with at least one token (indices into ``lengths``)."""
     live = [b for b, n in enumerate(lengths) if n > 0]
-    groups, gather, real_slots, real_rows = [], [], [], []
+    return [[live[m] for m in members] for members in plan_groups([lengths[b] for b in live], config, exact)]
+
+
+def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[int]]) -> PackedBatch:
+    """The :class:`PackedBatch` of sequences given by their source rows (int64 tensors, in order) run
+    as ``groups`` (sequence indices, from :func:`_live_groups`)."""
+    lengths = [int(s.numel()) for s in sequences]
+    gather, real_slots, real_rows, records = [], [], [], []
     start = 0
-    for members in plan_groups([lengths[b] for b in live], config, exact):
-        members = [live[m] for m in members]
+    for members in groups:
         seq = max(lengths[b] for b in members)
         for k, b in enumerate(members):
             src = sequences[b]
@@ -161,11 +161,11 @@ def _packed_batch(rows: int, sequences: list[torch.Tensor], config: EncoderConfi
             first = start + k * seq
             real_slots.append(torch.arange(first, first + lengths[b]))
             real_rows.append(src)
-        groups.append(SequenceGroup(start, len(members), seq, tuple(lengths[b] for b in members)))
+        records.append(SequenceGroup(start, len(members), seq, tuple(lengths[b] for b in members)))
         start += len(members) * seq
     empty = torch.zeros(0, dtype=torch.int64)
     cat = (lambda ts: torch.cat(ts) if ts else empty)
-    return PackedBatch(rows, tuple(groups), cat(gather), cat(real_slots), cat(real_rows))
+    return PackedBatch(rows, tuple(records), cat(gather), cat(real_slots), cat(real_rows))
 
 
 def real_tokens(mask: torch.Tensor) -> torch.Tensor | None:
@@ -196,10 +196,15 @@ def pack_key_mask(real: torch.Tensor, config: EncoderConfig) -> PackedBatch | No
         A :class:`PackedBatch` over R = B x K rows, or None.
     """
     batch, seq = real.shape
+    lengths = real.sum(1).tolist()
+    groups = _live_groups(lengths, config, exact=False)
+    longest = [max(lengths[b] for b in members) for members in groups]  # decided before any index is built
+    cost = sum(group_cost(len(members), n, config) + COPY_TOKENS * len(members) * n
+               for members, n in zip(groups, longest))
+    if cost >= group_cost(batch, seq, config):
+        return None
     sequences = [torch.nonzero(r).flatten() + b * seq for b, r in enumerate(real)]
-    packed = _packed_batch(batch * seq, sequences, config, exact=False)
-    cost = sum(group_cost(g.batch, g.seq, config) for g in packed.groups) + COPY_TOKENS * packed.slots
-    return packed if cost < group_cost(batch, seq, config) else None
+    return _packed_batch(batch * seq, sequences, groups)
 
 
 def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) -> PackedBatch:
@@ -236,7 +241,8 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
     if offsets[-1] != rows:
         raise ValueError(f"cu_seqlens must end at N = {rows}, the packed tokens of hidden_states; got {shown}")
     sequences = [torch.arange(a, b) for a, b in zip(offsets, offsets[1:])]
-    return _packed_batch(rows, sequences, config, exact=config.mask == "none")
+    groups = _live_groups([b - a for a, b in zip(offsets, offsets[1:])], config, exact=config.mask == "none")
+    return _packed_batch(rows, sequences, groups)
 
 
 def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
@@ -249,7 +255,7 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
         packed: the :class:`PackedBatch` over those R rows.
 
     Returns:
-        [R, I] of Y's dtype: each real token's output; zeros on rows that are not real tokens.
+        [R, I] of Y's dtype: each real token's output; zeros on the padded rows.
 
     Raises:
         RuntimeError: the library failed.
@@ -265,6 +271,6 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
             dtype = graph.dtypes["mask"]
             tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
         graph.run_into(tensors, g.batch, g.seq)
-    out = (torch.empty if packed.covers_all_rows else torch.zeros)(packed.rows, hidden, dtype=ys.dtype)
+    out = torch.zeros(packed.rows, hidden, dtype=ys.dtype)
     out.index_copy_(0, packed.real_rows, ys.index_select(0, packed.real_slots))
     return out
