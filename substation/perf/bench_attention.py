@@ -89,7 +89,13 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
               "unfused": cached_compile(config, mode="eval", instrument=True, attention=False)}
     for compiled in builds.values():
         set_substation_threads(compiled, machine["threads"])
-    labels = {"fused": {"attention"}, "unfused": {"scores", "mask", "softmax", "MS", "context"}}
+    # The chain: the fused build's attention operator; in the other build, the operators that write or
+    # read the tensors the fusion removed (scores, probabilities).
+    fused_graph, unfused_graph = builds["fused"].forward.graph, builds["unfused"].forward.graph
+    removed = set(unfused_graph.tensors) - set(fused_graph.tensors)
+    labels = {"fused": {op.label for op in fused_graph.operators() if op.kind == "attention"},
+              "unfused": {op.label for op in unfused_graph.operators()
+                          if {t for t, _ in unfused_graph.operands(op).values()} & removed}}
     tokens = config.batch_size * config.max_seq_len
     rows = []
     for seq in lengths:
