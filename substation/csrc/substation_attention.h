@@ -26,6 +26,20 @@ static inline int64_t attention_block_rows(int64_t J, int64_t K) {
   return std::max<int64_t>(1, std::min<int64_t>(J, std::max<int64_t>(rows, 8)));
 }
 
+// One GEMM on the calling thread through BLAS, row-major, beta 0: C = alpha A op(B) (the path without
+// AVX-512, and every double build).
+static inline void attention_blas(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                                  int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, 0.0f,
+              c, ldc);
+}
+
+static inline void attention_blas(bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+                                  int64_t lda, const double* b, int64_t ldb, double* c, int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, 0.0,
+              c, ldc);
+}
+
 // Scores row r of a block: mask, causal mask, max; exponentials into e; returns 1 / their sum (0 when
 // every score is -inf, so the probabilities are 0; a NaN sum stays NaN).
 template <typename T>
@@ -97,14 +111,7 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
             gemm_small_packed(false, nj, K, P, alpha, qb, q_s[1], pack_k.data(), s.data(), K);
           } else
 #endif
-          {
-            if constexpr (std::is_same<T, float>::value)
-              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nj, K, P, alpha, qb, q_s[1], kb, k_s[1], 0.0f,
-                          s.data(), K);
-            else
-              cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nj, K, P, alpha, qb, q_s[1], kb, k_s[1], 0.0,
-                          s.data(), K);
-          }
+            attention_blas(true, nj, K, P, alpha, qb, q_s[1], kb, k_s[1], s.data(), K);
           for (int64_t r = 0; r < nj; ++r)
             inv[r] = attention_exponentials(s.data() + r * K, e.data() + r * K, K, mb, causal, j0 + r);
 #if defined(__AVX512F__)
@@ -112,14 +119,7 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
             gemm_small_packed(false, nj, P, K, 1.0f, e.data(), K, pack_v.data(), yb, y_s[1]);
           } else
 #endif
-          {
-            if constexpr (std::is_same<T, float>::value)
-              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nj, P, K, 1.0f, e.data(), K, vb, v_s[1], 0.0f,
-                          yb, y_s[1]);
-            else
-              cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nj, P, K, 1.0, e.data(), K, vb, v_s[1], 0.0,
-                          yb, y_s[1]);
-          }
+            attention_blas(false, nj, P, K, T(1), e.data(), K, vb, v_s[1], yb, y_s[1]);
           for (int64_t r = 0; r < nj; ++r) {
             T* row = yb + r * y_s[1];
 #pragma omp simd

@@ -147,7 +147,8 @@ class _Emitter:
     def _emit_attention(self, op, ops: dict[str, Operand], attrs: dict) -> None:
         """One ``ss::attention_forward`` call (substation_attention.h): per (B, H, query block) the scores
         stay in a per-thread buffer. Q, K, V and Y need P contiguous, the mask K contiguous."""
-        for conn, rows in (("q", "J"), ("k", "K"), ("v", "K"), ("y", "J")):
+        rows_of = {"q": "J", "k": "K", "v": "K", "y": "J"}
+        for conn in rows_of:
             if ops[conn].strides.get("P") != 1:
                 raise LayoutError(f"{op.label}: operand {conn} ({ops[conn].name}) needs P contiguous")
         mask = ops.get("m")
@@ -159,7 +160,7 @@ class _Emitter:
 
         def pointer(o: Operand) -> str:
             return o.name if o.base == 0 else f"{o.name} + {c_expr(o.base)}"
-        for conn, rows in (("q", "J"), ("k", "K"), ("v", "K"), ("y", "J")):
+        for conn, rows in rows_of.items():
             self.w(f"const int64_t {conn}_s_[3] = {strides(ops[conn], rows)};")
         m_ptr, m_b = (pointer(mask), f"(int64_t)({c_expr(mask.strides['B'])})") if mask is not None else ("nullptr", "0")
         self.w(f"ss::attention_forward<T>(B, H, J, K, P, T({attrs['alpha']!r}), {pointer(ops['q'])}, q_s_, "
