@@ -57,6 +57,16 @@ def rel(ours, ref) -> float:
     return float((ours.detach().double() - ref).abs().max() / ref.abs().max())
 
 
+def real_rel(ours, ref, attend) -> float:
+    """:func:`rel` over the real tokens of [B, J, I] outputs (``attend`` [B, K], nonzero = real token;
+    None: every position). Inference calls with a padding mask return zeros at padded positions, other
+    implementations do not."""
+    if attend is None:
+        return rel(ours, ref)
+    real = attend.bool()
+    return rel(ours[real], ref[real])
+
+
 def run(module, x, g, **mask) -> dict:
     """Output ``Y``, input gradient ``dX`` and parameter gradients (by name) of one forward+backward
     of ``module(x, **mask)`` with upstream gradient ``g``."""

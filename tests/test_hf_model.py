@@ -23,7 +23,7 @@ from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassifica
                           ElectraConfig, ElectraModel, RobertaConfig, RobertaModel, ViTConfig, ViTModel,
                           XLMRobertaConfig, XLMRobertaModel)
 
-from conftest import rel  # noqa: E402
+from conftest import real_rel, rel  # noqa: E402
 from substation import pipeline  # noqa: E402
 from substation.interop import SubstationLayer, optimize  # noqa: E402
 
@@ -66,16 +66,6 @@ def text_inputs(seed=0, b=B, j=J):
     am[1, 5:] = 0
     am[2, 2:] = 0
     return {"input_ids": ids, "attention_mask": am}
-
-
-def hidden_rel(ours, ref, inputs) -> float:
-    """``rel`` of two ``last_hidden_state`` tensors over the real tokens (``inputs["attention_mask"]``;
-    inference calls of the optimized model return zeros at padded positions, Hugging Face values)."""
-    am = inputs.get("attention_mask")
-    if am is None:
-        return rel(ours, ref)
-    real = am.bool()
-    return rel(ours[real], ref[real])
 
 
 def image_inputs(seed=0, dtype=torch.float64):
@@ -230,10 +220,12 @@ def test_plain_checkpoint_loads_into_optimized_model(tmp_path):
     assert not result.missing_keys and not result.unexpected_keys
     inputs = text_inputs(11)
     with torch.no_grad():
-        assert hidden_rel(target(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, inputs) <= 1e-6
+        assert real_rel(target(**inputs).last_hidden_state, plain(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-6
     loaded = optimize(BertModel.from_pretrained(tmp_path / "plain")).eval()
     with torch.no_grad():
-        assert hidden_rel(loaded(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, inputs) <= 1e-6
+        assert real_rel(loaded(**inputs).last_hidden_state, plain(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-6
 
 
 def test_missing_and_extra_keys_reported_like_the_plain_model():
@@ -312,8 +304,8 @@ def test_dtype_changes_rebuild_or_raise_at_the_call():
     assert ours.encoder.layer[0].substation_compiled.config.dtype == "float64"
     inputs = text_inputs(17)
     with torch.no_grad():
-        assert hidden_rel(ours(**inputs).last_hidden_state, plain.double()(**inputs).last_hidden_state,
-                          inputs) <= 1e-10
+        assert real_rel(ours(**inputs).last_hidden_state, plain.double()(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-10
     ours.to(torch.float32)
     assert ours.encoder.layer[1].substation_compiled.config.dtype == "float32"
     layer = ours.encoder.layer[0]
@@ -333,7 +325,8 @@ def test_layer_norm_eps_of_any_positive_size():
     assert ours.encoder.layer[0].substation_compiled.config.layer_norm_eps == 2.5
     inputs = text_inputs(20)
     with torch.no_grad():
-        assert hidden_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, inputs) <= 1e-10
+        assert real_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-10
 
 
 def test_meta_device_model_converted_then_loaded():
@@ -353,7 +346,8 @@ def test_meta_device_model_converted_then_loaded():
     assert not any(t.is_meta for t in list(empty.parameters()) + list(empty.buffers()))
     inputs = text_inputs(23)
     with torch.no_grad():
-        assert hidden_rel(empty(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, inputs) <= 1e-10
+        assert real_rel(empty(**inputs).last_hidden_state, plain(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-10
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -506,9 +500,9 @@ def test_round_trips_both_ways(which, tmp_path):
     fresh.load_state_dict(plain.state_dict(), strict=True)
     with torch.no_grad():
         got = ours(**inputs).last_hidden_state
-        assert hidden_rel(got, want, inputs) <= 1e-5
-        assert hidden_rel(back(**inputs).last_hidden_state, got, inputs) <= 1e-6
-        assert hidden_rel(fresh(**inputs).last_hidden_state, want, inputs) <= 1e-5
+        assert real_rel(got, want, inputs.get("attention_mask")) <= 1e-5
+        assert real_rel(back(**inputs).last_hidden_state, got, inputs.get("attention_mask")) <= 1e-6
+        assert real_rel(fresh(**inputs).last_hidden_state, want, inputs.get("attention_mask")) <= 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ changes after optimize
@@ -554,7 +548,8 @@ def test_settings_changed_after_optimize_switch_the_build():
             layer.output.LayerNorm.eps = layer.attention.output.LayerNorm.eps = 0.5
     inputs = text_inputs(38)
     with torch.no_grad():
-        assert hidden_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, inputs) <= 1e-10
+        assert real_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-10
     config = ours.encoder.layer[0].substation_compiled.config
     assert (config.activation, config.layer_norm_eps) == ("relu", 0.5)
     for m in ours.modules():
@@ -562,7 +557,8 @@ def test_settings_changed_after_optimize_switch_the_build():
             m.p = 0.0
     ours.train()
     with torch.no_grad():
-        assert hidden_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, inputs) <= 1e-10
+        assert real_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-10
     assert ours.encoder.layer[1].substation_compiled.config.dropout.probabilities() == (0.0, 0.0, 0.0, 0.0)
 
 
