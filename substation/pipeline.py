@@ -25,7 +25,10 @@ from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
 from .ir.graph import LayerGraph, build_forward
 from .passes.attention import applies_to, fuse_attention
 from .passes.autodiff import build_backward
+from .passes.epilogue import applies_to as epilogue_applies
+from .passes.epilogue import fuse_epilogues
 from .passes.fusion import fuse as fuse_graph
+from .passes.precision import mixed_precision
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
@@ -145,6 +148,10 @@ def _graph(state: PipelineState) -> None:
     state.forward = build_forward(state.config, dropout=state.options.mode == "train")
 
 
+def _precision(state: PipelineState) -> None:
+    state.forward = mixed_precision(state.forward)
+
+
 def _autodiff(state: PipelineState) -> None:
     state.forward, state.backward = build_backward(state.forward)
 
@@ -157,6 +164,8 @@ def _graphs(state: PipelineState) -> dict[str, LayerGraph]:
 def _fusion(state: PipelineState) -> None:
     if state.options.attention and applies_to(state.forward, state.backward is not None):
         state.forward = fuse_attention(state.forward)
+    if epilogue_applies(state.config):
+        state.forward = fuse_epilogues(state.forward)
     for phase, graph in _graphs(state).items():
         setattr(state, phase, fuse_graph(graph))
 
@@ -215,10 +224,12 @@ MODES = ("train", "eval")
 #: forward graph alone.
 PASSES = (
     Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), _FORWARD, _graph),
+    Pass("precision", "mixed precision (bfloat16 CPU builds): autocast's dtype for every tensor, float32 "
+         "residual stream, casts before contractions", _FORWARD, _FORWARD, _precision),
     Pass("autodiff", "derive the backward SDFG; mark what forward saves", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
-    Pass("fusion", "fuse attention (forward-only CPU float builds), then group element-wise and normalization "
-         "operators into row kernels", _FORWARD, _GRAPHS, _fusion, lambda o: o.fuse),
+    Pass("fusion", "fuse attention (forward-only CPU float builds), move biases into GEMM epilogues (bf16 CPU "
+         "builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS, _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),
     Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD, frozenset({"sources"}), _codegen),

@@ -118,14 +118,15 @@ def tiny_graphs():
 
 
 def test_pin_no_gemm_can_write_fails_naming_it(tiny_graphs):
-    # THP not adjacent in TBJHP: the qkv GEMM cannot write it, and with transposes off nothing helps.
-    problem = L.build_problem(*tiny_graphs, pins={"QKV_raw": "TBJHP"}, allow_transpose=False)
-    with pytest.raises(L.LayoutInfeasible, match=r"qkv \(forward\).*QKV_raw=TBJHP.*transposes are disabled"):
+    # BJHTP orders the columns H, T, P, the weights T, H, P, and without T the columns H, P are not
+    # adjacent: the qkv GEMM cannot write it (not even one GEMM per T), and with transposes off nothing helps.
+    problem = L.build_problem(*tiny_graphs, pins={"QKV_raw": "BJHTP"}, allow_transpose=False)
+    with pytest.raises(L.LayoutInfeasible, match=r"qkv \(forward\).*QKV_raw=BJHTP.*transposes are disabled"):
         L.solve(problem)
     # With transposes allowed the writer converts, and the plan is still exact and feasible.
-    problem = L.build_problem(*tiny_graphs, pins={"QKV_raw": "TBJHP"})
+    problem = L.build_problem(*tiny_graphs, pins={"QKV_raw": "BJHTP"})
     sol = L.solve(problem)
-    assert sol.layouts["QKV_raw"] == "TBJHP"
+    assert sol.layouts["QKV_raw"] == "BJHTP"
     assert any(t["tensor"] == "QKV_raw" and t["direction"] == "write" for t in sol.transposes)
 
 
@@ -176,6 +177,31 @@ def test_gemm_modes_agree_with_plan_contraction(tiny_graphs):
                 assert ours == theirs, (op.label, lay)
                 checked += 1
     assert checked > 500
+
+
+def test_a_t_major_output_is_one_gemm_per_stack_entry_with_its_bias():
+    """The bf16 QKV GEMM writes QKV T-major ([T, B, J, H, P]) with its bias in the epilogue: T, not
+    adjacent to H and P in C, becomes a loop with A (X) shared and the bias strided by H*P along it;
+    the layout problem offers the same mapping."""
+    import sympy
+    from substation.ir.operands import plan_bias
+    fwd, _ = compile_graphs(load_config("tiny").replace(dtype="bfloat16"), fuse_ops=True)
+    qkv = fwd.find("qkv")
+    ops = {c: resolve_operand(fwd, t, a) for c, (t, a) in fwd.operands(qkv).items()}
+    assert fwd.tensors["QKV"].layout == "TBJHP"
+    plan = plan_contraction(ops["x"], ops["w"], ops["y"], "qkv")
+    H, P, I, B, J = (sympy.Symbol(d) for d in "HPIBJ")
+    assert [(x, sympy.simplify(sa), sympy.simplify(sb - H * P * I), sympy.simplify(sc - B * J * H * P))
+            for x, sa, sb, sc in plan.batch] == [("T", 0, 0, 0)]
+    assert (plan.m_letters, plan.n_letters) == (("B", "J"), ("H", "P"))
+    bias = plan_bias(plan, ops["bias"], "qkv")
+    assert (bias.m, bias.n, [sympy.simplify(s - H * P) for s in bias.batch]) == (0, 1, [0])
+    modes = L.gemm_modes("TBJHP", "BJI", "THPI")
+    assert any(m["batch"] == "T" and m["n"] == "HP" for m in modes)
+    # a bias with only part of C's column letters does not broadcast onto one GEMM
+    part = dataclasses.replace(ops["bias"], strides={"P": 1}, access="P")
+    with pytest.raises(LayoutError, match=r"bias in_proj_bias has only P of the columns HP"):
+        plan_bias(plan, part, "qkv")
 
 
 def test_row_kernel_candidates_cover_permutations_and_vector_letters(tiny_graphs):

@@ -30,7 +30,7 @@ def members(graph):
 
 
 def test_every_kind_has_every_piece():
-    assert len(KINDS) == 18
+    assert len(KINDS) == 19
     for name, kind in KINDS.items():
         assert kind.name == name and kind.op_class in ("TC", "SN", "EW")
         assert callable(kind.flop) and callable(kind.reference), name
@@ -39,10 +39,14 @@ def test_every_kind_has_every_piece():
             with pytest.raises(ValueError, match="has no row-kernel body"):
                 kind.row_emitter("cpu")
         else:  # one body for every target; an override only where a target differs
-            assert callable(kind.row) and kind.letter, name
+            # every kind names its fused kernels but the cast, which leaves the paper's names alone
+            assert callable(kind.row) and (kind.letter or name == "cast"), name
             assert set(kind.overrides) <= set(TARGETS) and all(map(callable, kind.overrides.values())), name
             assert {kind.row_emitter(t) for t in TARGETS} <= {kind.row, *kind.overrides.values()}
         assert kind.reduction in (None, "row", "column")
+    # autocast's op lists: contractions in the low precision, normalizations in float32, the rest promote
+    assert {n: k.autocast for n, k in KINDS.items() if k.autocast != "promote"} == {
+        "contraction": "lower_precision_fp", "attention": "lower_precision_fp", "layer_norm": "fp32", "rms_norm": "fp32"}
     # The CPU's softmax keeps its exponentials in a row buffer (its vector exp routine); nothing else differs.
     assert {name: sorted(k.overrides) for name, k in KINDS.items() if k.overrides} == {"softmax": ["cpu"]}
     with pytest.raises(ValueError, match=r"unknown operator kind 'group_norm' \(known: activation"):
@@ -55,6 +59,8 @@ def test_a_kind_without_its_pieces_is_refused():
         OpKind("scale", "EW", flop=flop, reference=reference)
     with pytest.raises(ValueError, match="a TC kind has no row-kernel body"):
         OpKind("matmul", "TC", flop=flop, reference=reference, row=row)
+    with pytest.raises(ValueError, match=r"autocast must be one of lower_precision_fp, fp32, promote, got 'fp16'"):
+        OpKind("scale", "EW", flop=flop, reference=reference, row=row, autocast="fp16")
     with pytest.raises(ValueError, match=r"overrides must map targets \(cpu, cuda\)"):
         OpKind("scale", "EW", flop=flop, reference=reference, row=row, overrides={"tpu": row})
 

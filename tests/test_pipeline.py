@@ -10,7 +10,7 @@ from substation.pipeline import PASSES, Pass, Pipeline, PipelineOptions, compile
 
 
 def test_the_passes_in_order_and_their_contracts():
-    assert Pipeline().names == ["graph", "autodiff", "fusion", "layout", "codegen", "build", "load"]
+    assert Pipeline().names == ["graph", "precision", "autodiff", "fusion", "layout", "codegen", "build", "load"]
     have = {"config"}
     for p in PASSES:
         assert p.needs <= have, p.name          # each pass needs only what earlier passes changed
@@ -33,7 +33,7 @@ def test_options_are_typed_and_round_trip_through_json():
 def test_run_until_and_progress_report_every_pass():
     seen = []
     state = Pipeline().run("tiny", PipelineOptions(fuse=True), until="layout", progress=seen.append)
-    assert seen == ["graph", "autodiff", "fusion", "layout"]
+    assert seen == ["graph", "precision", "autodiff", "fusion", "layout"]
     assert state.sources is None and state.compiled is None
     fused = sum(op.kind == "fused" for op in state.forward.operators())
     assert fused >= 3
@@ -44,7 +44,7 @@ def test_run_until_and_progress_report_every_pass():
 
 
 def test_a_pass_list_with_missing_needs_is_refused():
-    with pytest.raises(ValueError, match=r"pass autodiff needs \['forward'\]"):
+    with pytest.raises(ValueError, match=r"pass precision needs \[.forward.\]"):
         Pipeline(PASSES[1:]).run("tiny")
 
 

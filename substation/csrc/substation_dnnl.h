@@ -7,11 +7,14 @@
 #pragma once
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "substation_cpu.h"
@@ -25,6 +28,13 @@ struct GemmBatch {
   int64_t size[3] = {1, 1, 1}, a[3] = {0, 0, 0}, b[3] = {0, 0, 0}, c[3] = {0, 0, 0};
 };
 
+// A bias added to the float32 accumulators before the result is stored (the GEMM epilogue): element
+// strides along C's rows (m), columns (n) and each batch letter; 0 broadcasts it along that one.
+struct GemmBias {
+  const bf16_t* data = nullptr;
+  int64_t m = 0, n = 0, batch[3] = {0, 0, 0};
+};
+
 // The message of the last failed matmul_bf16 on this thread (exported as substation_last_error()).
 inline std::string& last_error() {
   static thread_local std::string message;
@@ -33,15 +43,16 @@ inline std::string& last_error() {
 
 struct MatmulEntry {
   dnnl::matmul primitive;
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, bias;
 };
 
-// C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n], row-major with leading dimensions
-// lda, ldb, ldc as in cblas_sgemm (beta 0); C is float32 when c_f32, else bf16. Returns 0, or 1 with
-// last_error() set when oneDNN refuses the call.
+// C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
+// dimensions lda, ldb, ldc as in cblas_sgemm (beta 0); C is float32 when c_f32, else bf16. A bias
+// (bias.data set) needs alpha 1 (oneDNN scales after the bias). Returns 0, or 1 with last_error() set
+// when oneDNN refuses the call.
 inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                        const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, void* c, int64_t ldc,
-                       bool c_f32, const GemmBatch& batch) {
+                       bool c_f32, const GemmBatch& batch, const GemmBias& bias = GemmBias{}) {
   using dnnl::memory;
   try {
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -51,13 +62,20 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     int32_t alpha_bits;
     std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
     std::vector<int64_t> key = {trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
-    for (int i = 0; i < batch.count; ++i) key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i]});
+    for (int i = 0; i < batch.count; ++i)
+      key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i], bias.batch[i]});
+    const bool with_bias = bias.data != nullptr;
+    if (with_bias && alpha != 1.0f) {
+      last_error() = "matmul_bf16: a bias epilogue needs alpha = 1";
+      return 1;
+    }
+    key.insert(key.end(), {with_bias, bias.m, bias.n});
     const MatmulEntry* entry;
     {
       std::lock_guard<std::mutex> guard(lock);
       auto found = primitives.find(key);
       if (found == primitives.end()) {
-        memory::dims ad, as, bd, bs, cd, cs;
+        memory::dims ad, as, bd, bs, cd, cs, biasd, biass;
         for (int i = 0; i < batch.count; ++i) {
           // A broadcast operand has extent 1 along the letter (its stride there is never used).
           ad.push_back(batch.a[i] ? batch.size[i] : 1);
@@ -66,13 +84,27 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
           bs.push_back(batch.b[i] ? batch.b[i] : 1);
           cd.push_back(batch.size[i]);
           cs.push_back(batch.c[i]);
+          biasd.push_back(bias.batch[i] ? batch.size[i] : 1);
+          biass.push_back(bias.batch[i] ? bias.batch[i] : 1);
         }
+        biasd.insert(biasd.end(), {bias.m ? m : 1, bias.n ? n : 1});
+        biass.insert(biass.end(), {bias.m ? bias.m : 1, bias.n ? bias.n : 1});
         ad.insert(ad.end(), {m, k});
         as.insert(as.end(), {trans_a ? 1 : lda, trans_a ? lda : 1});
         bd.insert(bd.end(), {k, n});
         bs.insert(bs.end(), {trans_b ? 1 : ldb, trans_b ? ldb : 1});
         cd.insert(cd.end(), {m, n});
         cs.insert(cs.end(), {ldc, 1});
+        // A broadcast extent gets the stride a dense tensor would have there (the span of the dimensions
+        // inside it), so that oneDNN sees a plain format: a stride of 1 there sends the call to its
+        // reference kernel.
+        for (auto [dims, strides] : {std::pair{&ad, &as}, std::pair{&bd, &bs}, std::pair{&biasd, &biass}})
+          for (size_t i = 0; i < dims->size(); ++i)
+            if ((*dims)[i] == 1) {
+              int64_t span = 1;
+              for (size_t j = i + 1; j < dims->size(); ++j) span = std::max(span, (*strides)[j] * (*dims)[j]);
+              (*strides)[i] = span;
+            }
         const memory::desc a_md(ad, memory::data_type::bf16, as), b_md(bd, memory::data_type::bf16, bs);
         const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : memory::data_type::bf16, cs);
         dnnl::primitive_attr attr;
@@ -81,14 +113,19 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
           ops.append_eltwise(dnnl::algorithm::eltwise_linear, alpha, 0.0f);
           attr.set_post_ops(ops);
         }
-        const dnnl::matmul::primitive_desc pd(engine, a_md, b_md, c_md, attr);
-        found = primitives.emplace(key, MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md}).first;
+        const memory::desc bias_md = with_bias ? memory::desc(biasd, memory::data_type::bf16, biass) : memory::desc();
+        const dnnl::matmul::primitive_desc pd =
+            with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_md, bias_md, c_md, attr)
+                      : dnnl::matmul::primitive_desc(engine, a_md, b_md, c_md, attr);
+        found = primitives.emplace(key, MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md}).first;
       }
       entry = &found->second;  // std::map nodes never move
     }
-    entry->primitive.execute(stream, {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<bf16_t*>(a))},
-                                      {DNNL_ARG_WEIGHTS, memory(entry->b, engine, const_cast<bf16_t*>(b))},
-                                      {DNNL_ARG_DST, memory(entry->c, engine, c)}});
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<bf16_t*>(a))},
+                                            {DNNL_ARG_WEIGHTS, memory(entry->b, engine, const_cast<bf16_t*>(b))},
+                                            {DNNL_ARG_DST, memory(entry->c, engine, c)}};
+    if (with_bias) args.emplace(DNNL_ARG_BIAS, memory(entry->bias, engine, const_cast<bf16_t*>(bias.data)));
+    entry->primitive.execute(stream, args);
     stream.wait();
     return 0;
   } catch (const std::exception& e) {

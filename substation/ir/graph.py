@@ -87,12 +87,15 @@ class TensorInfo:
         role: ``input`` (given by the caller: X, dY, the mask), ``param``, ``output`` (returned),
             ``saved`` (forward tensor kept for backward; an input of the backward graph) or ``temp``.
         layout: the dimension letters from outermost to innermost (the last has stride 1).
+        dtype: the dtype name the tensor is stored in, where a pass chose one (mixed precision:
+            :mod:`substation.passes.precision`); None: the config's dtype (the back end's rule).
     """
 
     name: str
     dims: str
     role: str
     layout: str
+    dtype: str | None = None
 
     def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """The logical shape for the given dimension sizes."""
@@ -240,16 +243,22 @@ class GraphBuilder:
         self._nodes: dict[str, dace.nodes.AccessNode] = {}
         self.dtype = getattr(dace, config.dtype)
 
-    def tensor(self, name: str, dims: str, role: str, layout: str | None = None) -> str:
-        """Declare a tensor; returns its name."""
+    def tensor(self, name: str, dims: str, role: str, layout: str | None = None, dtype: str | None = None) -> str:
+        """Declare a tensor (``dtype``: a dtype name, None for the config's); returns its name."""
         if name in self.tensors:
             raise ValueError(f"tensor {name} declared twice")
         layout = layout or dims
         shape = [size_symbol(d) for d in dims]
-        self.sdfg.add_array(name, shape, self.dtype, strides=layout_strides(dims, layout),
-                            transient=role == "temp")
-        self.tensors[name] = TensorInfo(name, dims, role, layout)
+        self.sdfg.add_array(name, shape, getattr(dace, dtype) if dtype else self.dtype,
+                            strides=layout_strides(dims, layout), transient=role == "temp")
+        self.tensors[name] = TensorInfo(name, dims, role, layout, dtype)
         return name
+
+    def copy_tensor(self, info: TensorInfo, role: str | None = None, layout: str | None = None,
+                    name: str | None = None) -> str:
+        """Declare a tensor like ``info`` (its dims and dtype), with ``role``, ``layout`` and ``name``
+        where given; returns its name."""
+        return self.tensor(name or info.name, info.dims, role or info.role, layout or info.layout, info.dtype)
 
     def _node(self, name: str) -> dace.nodes.AccessNode:
         if name not in self._nodes:

@@ -12,10 +12,10 @@ import dataclasses
 
 import sympy
 
-from .graph import LayerGraph, layout_strides
+from .graph import LayerGraph, access_letters, layout_strides
 
-__all__ = ["LayoutError", "Operand", "ContractionPlan", "c_expr", "dim_symbol", "dim_size", "linear_index",
-           "resolve_operand", "stride_order", "plan_contraction"]
+__all__ = ["LayoutError", "Operand", "BiasPlan", "ContractionPlan", "STACK_LETTER", "c_expr", "dim_symbol", "dim_size",
+           "gemm_groups", "linear_index", "plan_bias", "plan_contraction", "resolve_operand", "stride_order"]
 
 
 class LayoutError(ValueError):
@@ -104,7 +104,8 @@ class ContractionPlan:
     """How one einsum maps to GEMM calls ``C[m, n] = alpha * A[m, k] B[k, n]`` (row-major C).
 
     Sizes and leading dimensions are symbolic; ``batch`` lists (letter, stride in A, B, C) for the
-    loops around the call.
+    loops around the call (a stride of 0: that operand is the same for every index of the letter);
+    ``m_letters`` and ``n_letters`` are C's row and column letters, outermost first.
     """
 
     a: Operand
@@ -119,6 +120,8 @@ class ContractionPlan:
     ldb: object
     ldc: object
     batch: list
+    m_letters: tuple = ()
+    n_letters: tuple = ()
 
 
 def _group(op: Operand, letters: list[str], what: str, ref_order=None):
@@ -153,20 +156,56 @@ def _transposition(op: Operand, row_stride, col_stride, label: str) -> tuple[boo
     raise LayoutError(f"{label}: operand {op.name} has no unit-stride GEMM dimension")
 
 
+#: The stack letter a GEMM may loop over when it is a row or column letter that does not fit the matrix
+#: (the Q/K/V stack of a T-major QKV written by the QKV GEMM: one call per T, A shared).
+STACK_LETTER = "T"
+
+
+def gemm_groups(c_access: str, a_access: str, b_access: str, loop_stack: bool = False):
+    """(batch, m, n, k) letters of ``C[c_access] = A[a_access] x B[b_access]`` in C's (k: A's) order;
+    with ``loop_stack``, :data:`STACK_LETTER` leaves the row or column group for the batch (None when
+    it is in neither with another letter). Digits (fixed indices) are skipped."""
+    la, lb, lc = set(access_letters(a_access)), set(access_letters(b_access)), set(access_letters(c_access))
+    batch = [x for x in access_letters(c_access) if x in la and x in lb]
+    m = [x for x in access_letters(c_access) if x in la and x not in lb]
+    n = [x for x in access_letters(c_access) if x in lb and x not in la]
+    k = [x for x in access_letters(a_access) if x in lb and x not in lc]
+    if loop_stack:
+        group = m if STACK_LETTER in m else n
+        if STACK_LETTER not in group or len(group) < 2:
+            return None
+        group.remove(STACK_LETTER)
+        batch = [x for x in access_letters(c_access) if x in batch or x == STACK_LETTER]
+    return batch, m, n, k
+
+
 def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> ContractionPlan:
-    """Map ``c = einsum(a, b)`` onto a GEMM, swapping or transposing operands as the strides require.
+    """Map ``c = einsum(a, b)`` onto a GEMM, swapping or transposing operands as the strides require;
+    where that fails and the stack letter T is a row or column letter, onto one GEMM per T
+    (:data:`STACK_LETTER`).
 
     Raises:
         LayoutError: the operands' layouts need an explicit transpose first.
     """
     la, lb, lc = set(a.strides), set(b.strides), set(c.strides)
-    batch = [x for x in c.access if x in la and x in lb and not x.isdigit()]
-    m = [x for x in c.access if x in la and x not in lb and not x.isdigit()]
-    n = [x for x in c.access if x in lb and x not in la and not x.isdigit()]
-    k = [x for x in a.access if x in lb and x not in lc and not x.isdigit()]
+    batch, m, n, k = gemm_groups(c.access, a.access, b.access)
     stray = (la | lb | lc) - set(batch) - set(m) - set(n) - set(k)
     if stray:
         raise LayoutError(f"{label}: indices {''.join(sorted(stray))} appear in only one operand")
+    try:
+        return _plan(a, b, c, label, batch, m, n, k)
+    except LayoutError:
+        looped = gemm_groups(c.access, a.access, b.access, loop_stack=True)
+        if looped is None:
+            raise
+        try:
+            return _plan(a, b, c, label, *looped)
+        except LayoutError:
+            pass
+        raise
+
+
+def _plan(a: Operand, b: Operand, c: Operand, label: str, batch, m, n, k) -> ContractionPlan:
     mo, msize, cm = _group(c, m, f"{label} (C rows)")
     _, _, am = _group(a, m, f"{label} (A rows)", mo)
     no, nsize, cn = _group(c, n, f"{label} (C cols)")
@@ -178,8 +217,44 @@ def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> Contract
             raise LayoutError(f"{label}: output {c.name} has no unit-stride GEMM dimension")
         # C^T = B^T A^T: swap the roles of A and B.
         a, b, am, ak, bk, bn, cm, cn, msize, nsize = b, a, bn, bk, ak, am, cn, cm, nsize, msize
+        mo, no = no, mo
     trans_a, lda = _transposition(a, am, ak, label)
     trans_b, ldb = _transposition(b, bk, bn, label)
-    batch_info = [(x, a.strides[x], b.strides[x], c.strides[x]) for x in stride_order(c.strides, batch)]
+    batch_info = [(x, a.strides.get(x, 0), b.strides.get(x, 0), c.strides[x]) for x in stride_order(c.strides, batch)]
     return ContractionPlan(a, b, c, trans_a, trans_b, msize, nsize, ksize, lda, ldb, cm,
-                           batch_info)
+                           batch_info, tuple(mo), tuple(no))
+
+
+@dataclasses.dataclass
+class BiasPlan:
+    """Element strides of a contraction's epilogue bias along C's rows, C's columns and each batch
+    letter of the plan (0: broadcast along it)."""
+
+    operand: Operand
+    m: object
+    n: object
+    batch: list
+
+
+def plan_bias(plan: ContractionPlan, bias: Operand, label: str) -> BiasPlan:
+    """How the epilogue ``bias`` of ``plan``'s contraction broadcasts: along C's row group and column
+    group it has either none of the letters (stride 0) or all of them, dense in C's order (the
+    innermost one's stride); along a batch letter, its stride there or 0.
+
+    Raises:
+        LayoutError: a bias letter C lacks, or part of a row or column group, or one not dense.
+    """
+    stray = set(bias.strides) - set(plan.m_letters) - set(plan.n_letters) - {x for x, *_ in plan.batch}
+    if stray:
+        raise LayoutError(f"{label}: bias {bias.name} has letters {''.join(sorted(stray))} the output lacks")
+
+    def along(letters, what):
+        have = [x for x in letters if x in bias.strides]
+        if not have:
+            return 0
+        if len(have) != len(letters):
+            raise LayoutError(f"{label}: bias {bias.name} has only {''.join(have)} of the {what} {''.join(letters)}")
+        return _group(bias, list(letters), f"{label} (bias {what})", list(letters))[2]
+
+    return BiasPlan(bias, along(plan.m_letters, "rows"), along(plan.n_letters, "columns"),
+                    [bias.strides.get(x, 0) for x, *_ in plan.batch])

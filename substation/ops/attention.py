@@ -30,4 +30,5 @@ def _attention_reference(ins, outs, attrs):
     return op_kind("contraction").reference({"attn": (probs, scores_letters), "v": ins["v"]}, outs, {})
 
 
-ATTENTION = register(OpKind("attention", "TC", flop=_attention_flop, reference=_attention_reference))
+ATTENTION = register(OpKind("attention", "TC", flop=_attention_flop, reference=_attention_reference,
+                                    autocast="lower_precision_fp"))

@@ -1,30 +1,58 @@
-"""Kind ``contraction`` (TC): ``y = alpha * einsum(a, b)`` over the operands' letters (letters missing
-from ``y`` are summed). Backends map it to BLAS / cuBLAS GEMMs (``plan_contraction``), so it has no
-row-kernel emitters. Flop: 2 per point of the iteration space."""
+"""Kind ``contraction`` (TC): ``y = alpha * einsum(a, b) (+ bias)`` over the operands' letters (letters
+missing from ``y`` are summed). Backends map it to BLAS / cuBLAS GEMMs (``plan_contraction``), so it has
+no row-kernel emitters. Flop: 2 per point of the iteration space, plus 1 per output element with a bias.
+
+The optional input ``bias`` (its letters a subset of ``y``'s, broadcast over the rest) is a GEMM
+epilogue: :func:`substation.passes.epilogue.fuse_epilogues` moves a ``bias`` operator there, after
+autodiff, for back ends whose GEMM library adds it while the accumulators are in registers."""
 from __future__ import annotations
 
 import torch
 
 from ..ir.graph import access_letters
-from .kind import OpKind, operand_access, register
+from .kind import OpKind, align, elements, operand_access, register
+
+__all__ = ["CONTRACTION", "EPILOGUE_BIAS", "factors"]
+
+#: The input connector of a contraction's epilogue bias.
+EPILOGUE_BIAS = "bias"
+
+
+def factors(operands: dict) -> tuple:
+    """The two factors of a contraction's ``operands`` (connector -> operand, the output ``y`` and any
+    ``bias`` left out), in connector order.
+
+    Raises:
+        ValueError: not exactly two factors.
+    """
+    rest = [v for c, v in operands.items() if c not in ("y", EPILOGUE_BIAS)]
+    if len(rest) != 2:
+        raise ValueError(f"a contraction has two factors besides y and {EPILOGUE_BIAS}, got {sorted(operands)}")
+    return tuple(rest)
 
 
 def _contraction_flop(attrs, inputs, outputs, size):
     letters: list[str] = []
-    for v in (*inputs.values(), *outputs.values()):
+    for v in (*factors(inputs), *outputs.values()):
         letters += [c for c in access_letters(operand_access(v)) if c not in letters]
     n = 2
     for c in letters:
         n = n * size(c)
-    return n
+    return n + (elements(outputs["y"], size) if EPILOGUE_BIAS in inputs else 0)
 
 
 def _contraction_reference(ins, outs, attrs):
-    (a, la), (b, lb) = ins.values()
-    return {"y": attrs.get("alpha", 1.0) * torch.einsum(f"{la},{lb}->{outs['y']}", a, b)}
+    (a, la), (b, lb) = factors(ins)
+    y = attrs.get("alpha", 1.0) * torch.einsum(f"{la},{lb}->{outs['y']}", a, b)
+    if EPILOGUE_BIAS in ins:
+        bias, lbias = ins[EPILOGUE_BIAS]
+        y = y + align(bias, lbias, outs["y"])
+    return {"y": y}
 
 
 def _contraction_vjp(d, op, ins, outs, dy, y_acc):
+    if EPILOGUE_BIAS in ins:
+        raise ValueError(f"contraction {op.label}: an epilogue bias is placed after autodiff, not differentiated")
     alpha = op.attrs.get("alpha", 1.0)
     (c1, (t1, a1)), (c2, (t2, a2)) = ins.items()
     for (c, (t, a)), (_, (ot, oa)) in (((c1, (t1, a1)), (c2, (t2, a2))), ((c2, (t2, a2)), (c1, (t1, a1)))):
@@ -36,4 +64,4 @@ def _contraction_vjp(d, op, ins, outs, dy, y_acc):
 
 
 CONTRACTION = register(OpKind("contraction", "TC", flop=_contraction_flop, reference=_contraction_reference,
-                              vjp=_contraction_vjp))
+                              vjp=_contraction_vjp, autocast="lower_precision_fp"))

@@ -20,11 +20,14 @@ import torch
 from ..config import TARGETS
 from ..ir.graph import access_letters
 
-__all__ = ["OpKind", "KINDS", "register", "op_kind", "operand_access", "elements", "elementwise_flop", "align", "reduce_to",
-           "op_space"]
+__all__ = ["AUTOCAST_RULES", "OpKind", "KINDS", "register", "op_kind", "operand_access", "elements", "elementwise_flop",
+           "align", "reduce_to", "op_space"]
 
 #: Every registered kind by name (filled by the modules of :mod:`substation.ops`).
 KINDS: dict[str, "OpKind"] = {}
+#: How a kind's output dtype follows in a mixed-precision graph (:attr:`OpKind.autocast`); the names of
+#: PyTorch's autocast op lists (``torch/csrc/autograd/autocast_mode.h``).
+AUTOCAST_RULES = ("lower_precision_fp", "fp32", "promote")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,10 @@ class OpKind:
         letter: the kind's letters in fused-kernel names (the paper's style: B bias, D dropout, ...).
         statistics: connectors holding per-row normalization statistics (layer norm's mean and rstd,
             RMSNorm's rstd), kept in a wider type: double on the CPU, the compute type in CUDA.
+        autocast: the dtype of the kind's outputs in a mixed-precision graph (one of
+            :data:`AUTOCAST_RULES`, the names of PyTorch's autocast op lists): ``lower_precision_fp``
+            (inputs cast to the low dtype, outputs in it: contractions), ``fp32`` (outputs float32:
+            normalizations) or ``promote`` (the widest input dtype: element-wise kinds).
     """
 
     name: str
@@ -64,8 +71,12 @@ class OpKind:
     reduction: str | None = None
     letter: str | None = None
     statistics: tuple[str, ...] = ()
+    autocast: str = "promote"
 
     def __post_init__(self):
+        if self.autocast not in AUTOCAST_RULES:
+            raise ValueError(f"kind {self.name}: autocast must be one of {', '.join(AUTOCAST_RULES)}, "
+                             f"got {self.autocast!r}")
         if self.op_class not in ("TC", "SN", "EW"):
             raise ValueError(f"kind {self.name}: op_class must be TC, SN or EW, got {self.op_class!r}")
         if self.reduction not in (None, "row", "column"):

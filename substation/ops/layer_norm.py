@@ -104,7 +104,7 @@ def _layer_norm_param_grad_row(k, attrs):
 
 LAYER_NORM = register(OpKind("layer_norm", "SN", flop=elementwise_flop(8, 5), reference=_layer_norm_reference,
                              vjp=_layer_norm_vjp, row=_layer_norm_row, reduction="row",
-                             letter="LN", statistics=STATISTICS))
+                             letter="LN", statistics=STATISTICS, autocast="fp32"))
 LAYER_NORM_GRAD = register(OpKind("layer_norm_grad", "SN", flop=elementwise_flop(10, 2),
                                   reference=_layer_norm_grad_reference, row=_layer_norm_grad_row,
                                   reduction="row", letter="LN", statistics=STATISTICS))

@@ -76,7 +76,7 @@ def _rms_norm_param_grad_row(k, attrs):
 
 RMS_NORM = register(OpKind("rms_norm", "SN", flop=elementwise_flop(4, 4), reference=_rms_norm_reference,
                            vjp=_rms_norm_vjp, row=_rms_norm_row, reduction="row",
-                           letter="RN", statistics=STATISTICS))
+                           letter="RN", statistics=STATISTICS, autocast="fp32"))
 RMS_NORM_GRAD = register(OpKind("rms_norm_grad", "SN", flop=elementwise_flop(7, 1), reference=_rms_norm_grad_reference,
                                 row=_rms_norm_grad_row, reduction="row", letter="RN",
                                 statistics=STATISTICS))

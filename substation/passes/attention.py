@@ -107,7 +107,7 @@ def fuse_attention(graph: LayerGraph) -> LayerGraph:
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
     for name, info in graph.tensors.items():
         if name not in chain.intermediates:
-            b.tensor(name, info.dims, info.role, info.layout)
+            b.copy_tensor(info)
     for op in graph.operators():
         if op.label in dropped:
             continue

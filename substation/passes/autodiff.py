@@ -18,13 +18,19 @@ code of its own. Rules (y is the operator's output, dy its gradient):
 Gradients reaching one tensor from several consumers are summed by one ``add`` operator; gradients of
 disjoint views (Q, K, V of the stacked QKV tensor) are written straight into one tensor. Forward
 tensors the backward graph reads become ``saved`` in the forward graph.
+
+Dtypes (mixed-precision graphs, :mod:`substation.passes.precision`): a gradient has the dtype of its
+tensor and a low-precision parameter's gradient is float32 (autocast's master gradients); a gradient
+passing through to a narrower tensor (the float32 dR2 into the bfloat16 F2 of a residual add) goes
+through a ``cast``, as autograd casts a gradient to its input's dtype.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ..ir.graph import GraphBuilder, LayerGraph, parameters
+from ..ir.graph import GraphBuilder, LayerGraph, TensorInfo, parameters
 from ..ops import op_kind
+from .precision import WIDTH
 
 __all__ = ["build_backward"]
 
@@ -40,6 +46,13 @@ def build_backward(fwd: LayerGraph) -> tuple[LayerGraph, LayerGraph]:
         (forward graph with the tensors backward reads marked ``saved``, backward graph).
     """
     return _Differentiator(fwd).run()
+
+
+def _grad_dtype(info: TensorInfo) -> str | None:
+    """The dtype of the gradient of ``info``: its own, float32 for low-precision parameters."""
+    if info.role == "param" and info.dtype is not None and WIDTH[info.dtype] < WIDTH["float32"]:
+        return "float32"
+    return info.dtype
 
 
 class _Differentiator:
@@ -60,7 +73,7 @@ class _Differentiator:
         if name not in self.g.tensors:
             info = self.fwd.tensors[name]
             role = "param" if info.role == "param" else "saved"
-            self.g.tensor(name, info.dims, role, info.layout)
+            self.g.copy_tensor(info, role=role)
         return f"{name}[{access}]" if access else name
 
     def grad_target(self, name: str, access: str, op: str) -> str | None:
@@ -70,26 +83,40 @@ class _Differentiator:
             return None  # the mask has no gradient
         if info.role == "param":
             gname = f"d{name}"
-            self.g.tensor(gname, info.dims, "output", info.layout)
+            self._grad_tensor(gname, info, "output")
             return f"{gname}[{access}]"
         if any(c.isdigit() for c in access):
             gname = f"d{name}"
             if name not in self.view_grads:
                 self.view_grads.add(name)
-                self.g.tensor(gname, info.dims, "temp", info.layout)
+                self._grad_tensor(gname, info, "temp")
                 self.grads.setdefault(name, []).append(gname)
             return f"{gname}[{access}]"
         gname = f"d{name}" if self.consumers[name] == 1 else f"d{name}__{op}"
         if name == "X" and self.consumers[name] == 1:
-            self.g.tensor(gname, info.dims, "output", info.layout)
+            self._grad_tensor(gname, info, "output")
         elif gname not in self.g.tensors:
-            self.g.tensor(gname, info.dims, "temp", info.layout)
+            self._grad_tensor(gname, info, "temp")
         self.grads.setdefault(name, []).append(gname)
         return f"{gname}[{access}]"
 
+    def _grad_tensor(self, gname: str, info: TensorInfo, role: str) -> None:
+        self.g.tensor(gname, info.dims, role, info.layout, _grad_dtype(info))
+
     def pass_through(self, name: str, dy: str) -> None:
-        if self.fwd.tensors[name].role != "input" or name == "X":
-            self.grads.setdefault(name, []).append(dy)
+        """Gradient ``dy`` of an operator's output reaches its input ``name`` unchanged (cast to
+        ``name``'s dtype where that is narrower)."""
+        info = self.fwd.tensors[name]
+        if info.role == "input" and name != "X":
+            return
+        have = self.g.tensors[dy].dtype
+        if info.dtype is not None and have is not None and WIDTH[info.dtype] < WIDTH[have]:
+            n = sum(t.startswith(f"d{name}__cast") for t in self.g.tensors)
+            gname = f"d{name}__cast{n or ''}"
+            self._grad_tensor(gname, info, "temp")
+            self.g.op(f"{name}_grad_cast{n or ''}", "cast", "EW", {"x": dy}, {"y": gname})
+            dy = gname
+        self.grads.setdefault(name, []).append(dy)
 
     def grad_of(self, name: str) -> str | None:
         """The (summed) gradient tensor of forward tensor ``name``, or None if nothing reaches it."""
@@ -101,7 +128,7 @@ class _Differentiator:
         info = self.fwd.tensors[name]
         out = f"d{name}"
         if out not in self.g.tensors:
-            self.g.tensor(out, info.dims, "output" if name == "X" else "temp", info.layout)
+            self._grad_tensor(out, info, "output" if name == "X" else "temp")
         if len(parts) == 1:
             self.g.op(f"{name}_grad_copy", "add", "EW", {"a": parts[0]}, {"y": out})
         else:
@@ -112,7 +139,7 @@ class _Differentiator:
     # -- the pass ---------------------------------------------------------------------------------
     def run(self) -> tuple[LayerGraph, LayerGraph]:
         g = self.g
-        g.tensor("dY", "BJI", "input")
+        g.tensor("dY", "BJI", "input", dtype=self.fwd.tensors["Y"].dtype)
         self.grads["Y"] = ["dY"]
         for op in reversed(self.fwd.operators()):
             ins = self.fwd.inputs_of(op)

@@ -168,7 +168,9 @@ def kernel_name(members: list[dict], phase: str) -> str:
         p = op_kind(m["kind"]).letter
         if not parts or parts[-1] != p:
             parts.append(p)
-    return ("B" if phase == "backward" else "") + "".join(parts)
+    # A group of letterless kinds alone (casts) is named after them.
+    name = "".join(parts) or "_".join(dict.fromkeys(m["kind"] for m in members)).upper()
+    return ("B" if phase == "backward" else "") + name
 
 
 def _records(graph: LayerGraph) -> list[_Op]:
@@ -231,7 +233,7 @@ def _rebuild(graph: LayerGraph, ops: list[_Op], groups: list[list[str]], keep: s
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
     for name, info in graph.tensors.items():
         if name in external or info.role != "temp":
-            b.tensor(name, info.dims, info.role, info.layout)
+            b.copy_tensor(info)
     used_names: dict[str, int] = {}
     # Emit groups in the order of their first member (a valid topological order, groups being convex).
     for group in sorted(groups, key=lambda g: min(xf.order.index(n) for n in g)):

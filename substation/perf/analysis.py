@@ -20,6 +20,11 @@ kind ``fused`` (a group of EW/SN operators fused into one kernel) counts as one 
 is the sum of its members' flop (``attrs["ops"]``) and whose bytes are those of its own connectors,
 i.e. what the fused kernel moves to and from memory.
 
+Under ``torch.autocast`` a bfloat16 CPU build also casts the float32 master weights of its linear
+layers to bfloat16 once per call, inside the operator (backward reuses the copies):
+:func:`master_weight_casts` counts that as one more forward EW operator, ``master_weight_casts``
+(4 bytes read and 2 written per weight element; a pure-bf16 layer skips it, its parameters are bf16).
+
 The measured side (:func:`measure`) runs the compiled layer with per-operator timers and a
 STREAM-like copy to get the machine's copy bandwidth; :meth:`Analysis.to_json`, :func:`format_report`
 and :func:`plot_report` present the result.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from typing import Callable, Mapping
 
 import sympy
@@ -42,7 +48,8 @@ from ..runtime.library import graph_tensor_dtypes
 __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
     "OperatorCount", "Measurement", "Analysis",
-    "access_elements", "kind_flop", "operator_count", "count_graph", "optimized_graphs", "analyze",
+    "access_elements", "kind_flop", "operator_count", "count_graph", "master_weight_casts", "optimized_graphs",
+    "analyze",
     "measure",
 ]
 from ..layer import EncoderLayer
@@ -212,6 +219,31 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
     return [operator_count(graph, op, sizes) for op in graph.operators()]
 
 
+def master_weight_casts(forward: LayerGraph, sizes: Mapping[str, int] | None = None) -> OperatorCount | None:
+    """The cast of the float32 master weights to the bfloat16 parameters a build of ``forward`` reads,
+    once per call under autocast (``runtime.custom_ops``): read 4 and write 2 bytes per element of every
+    parameter the build keeps in bfloat16; None for builds without one (float32, float64, CUDA)."""
+    dtypes = graph_tensor_dtypes(forward)
+    low = [t for n, t in forward.tensors.items() if t.role == "param" and ITEMSIZES[dtypes[n]] < 4]
+    if forward.config.target != "cpu" or not low:
+        return None
+    num, sym = _sizer(dict(sizes or forward.config.sizes())), _sizer(None)
+
+    def count(sizer):
+        return sum((elements(t.dims, sizer) for t in low), sympy.Integer(0))
+    n_sym, n = sympy.expand(count(sym)), int(count(num))
+    return OperatorCount(name="master_weight_casts", phase="forward", op_class="EW", kind="cast",
+                         flop_expr=sympy.Integer(0), read_expr=4 * n_sym, written_expr=2 * n_sym, flop=0,
+                         bytes_read=4 * n, bytes_written=2 * n)
+
+
+def _counts(graphs, sizes) -> list[OperatorCount]:
+    """Every operator of ``graphs`` (forward, backward or None) and the master-weight casts."""
+    ops = [c for g in graphs if g is not None for c in count_graph(g, sizes)]
+    casts = master_weight_casts(graphs[0], sizes)
+    return ops + ([casts] if casts is not None else [])
+
+
 # -- graphs --------------------------------------------------------------------------------------
 def optimized_graphs(config: EncoderConfig, mode: str = "train"):
     """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's
@@ -377,11 +409,10 @@ def analyze(config, optimized: bool = False, mode: str = "train") -> Analysis:
 
     config = load_config(config)
     sizes = config.sizes()
-    unfused = compile_graphs(config, mode=mode)
-    unfused_ops = [c for g in unfused if g is not None for c in count_graph(g, sizes)]
+    unfused_ops = _counts(compile_graphs(config, mode=mode), sizes)
     if not optimized:
         return Analysis(config, sizes, False, tuple(unfused_ops), mode=mode)
-    opt_ops = [c for g in optimized_graphs(config, mode) if g is not None for c in count_graph(g, sizes)]
+    opt_ops = _counts(optimized_graphs(config, mode), sizes)
     return Analysis(config, sizes, True, tuple(opt_ops), unfused_bytes=sum(o.bytes for o in unfused_ops), mode=mode)
 
 
@@ -400,7 +431,9 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     (:func:`copy_bandwidth`'s copy with buffers of ``copy_bytes``, default 4x the last-level cache) in
     the same run: four copies timed after each timed step, the median over all of them, so the copy
     sees the same machine state as the kernels (the memory bandwidth of a shared machine drifts by
-    tens of percent within seconds).
+    tens of percent within seconds). A bfloat16 build is measured as a pure-bf16 layer; the cast of
+    float32 master weights it does under autocast (:func:`master_weight_casts`) is timed after each
+    step on float32 copies of its parameters.
 
     Returns:
         a :class:`Measurement` (seconds per call are medians over the repeats).
@@ -430,6 +463,9 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     mask = torch.zeros(b, j, dtype=layer.torch_dtype) if config.mask != "none" else None
     per_op: dict = {}
     per_pass: dict = {phase: [] for phase in libs}
+    casts = master_weight_casts(compiled.forward.graph)
+    masters = [p.detach().float() for n, p in layer.named_parameters()
+               if casts is not None and compiled.forward.dtypes[n] == torch.bfloat16]
     copy = CopyTimer(copy_bytes)
     step = Candidate("substation", lambda xg: layer(xg, attention_mask=mask), list(layer.parameters()))
     for r in range(warmup + repeats):
@@ -443,6 +479,11 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
         for phase, lib in libs.items():
             for name, s in lib.op_seconds(reset=True).items():
                 per_op.setdefault((phase, name), []).append(s)
+        if masters:
+            t0 = time.perf_counter()
+            for m in masters:
+                m.to(torch.bfloat16)
+            per_op.setdefault(("forward", casts.name), []).append(time.perf_counter() - t0)
         for _ in range(4):
             copy()
     return Measurement({k: statistics.median(v) for k, v in per_op.items()},

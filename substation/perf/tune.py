@@ -144,7 +144,8 @@ def _bench_graph(graph, op, cands: list[Candidate]):
             for t, _ in side.values():
                 if t not in rename:
                     rename[t] = f"{t}__c{i}"
-                    b.tensor(rename[t], graph.tensors[t].dims, role, c.layouts.get(t, graph.tensors[t].layout))
+                    b.copy_tensor(graph.tensors[t], role=role, layout=c.layouts.get(t, graph.tensors[t].layout),
+                                  name=rename[t])
         attrs = op.attrs
         if op.kind == "fused":
             attrs["ops"] = rename_member_tensors(attrs["ops"], rename)

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from ..config import EncoderConfig
-from .library import CompiledLayer, parameter_names, registered_layer
+from ..passes.precision import boundary_dtype
+from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, registered_layer
 from .packing import pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
 __all__ = ["check_mask", "key_mask", "run_layer", "run_layer_varlen"]
@@ -258,7 +259,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if x.dtype != dtype:
         if not (cast and x.dtype == torch.float32):
             raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {dtype}")
-        x = x.to(dtype)
+    # Mixed-precision builds take X in float32 (their residual stream, as autocast keeps it).
+    x = x.to(ALL_TORCH_DTYPES[boundary_dtype(DTYPE_NAMES[dtype], config.target)])
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
     names = parameter_names(config)
@@ -295,7 +297,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     # it (autocast runs layer norm in float32).
     if cast and params and all(p.dtype == torch.float32 for p in params):
         return outputs[0].float()
-    return outputs[0]
+    return outputs[0].to(dtype)
 
 
 def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,

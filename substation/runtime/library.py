@@ -162,7 +162,12 @@ class CompiledGraph:
         (reused on the CPU). Benchmarks and the tuner time this call.
 
         Raises:
-            KeyError: an argument is missing. RuntimeError: the library failed."""
+            KeyError: an argument is missing. TypeError: an argument of another dtype than
+            :attr:`dtypes` says. RuntimeError: the library failed."""
+        wrong = [f"{t.name} is {tensors[t.name].dtype}, not {self.dtypes[t.name]}" for t in self.args
+                 if tensors[t.name].dtype != self.dtypes[t.name]]
+        if wrong:
+            raise TypeError(f"{self.graph.phase} library arguments of the wrong dtype: {'; '.join(wrong)}")
         device = next(iter(tensors.values())).device
         ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)

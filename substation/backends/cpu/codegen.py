@@ -17,8 +17,10 @@ The generated library exports::
 """
 from __future__ import annotations
 
-from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, parameters
-from ...ir.operands import LayoutError, Operand, c_expr, dim_size, linear_index, plan_contraction, resolve_operand
+from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator
+from ...ir.operands import (BiasPlan, LayoutError, Operand, c_expr, dim_size, linear_index, plan_bias, plan_contraction,
+                            resolve_operand)
+from ...ops.contraction import EPILOGUE_BIAS, factors
 from ..common import stat_tensors, workspace_slots
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
 
@@ -95,12 +97,15 @@ class _Emitter:
 
     def _emit_contraction(self, op, ops, attrs):
         out = ops.pop("y")
-        (a, b) = ops.values()
+        bias = ops.pop(EPILOGUE_BIAS, None)
+        a, b = factors(ops)
         plan = plan_contraction(a, b, out, op.label)
         alpha = attrs.get("alpha", 1.0)
         if self.cfg.dtype == "bfloat16":
-            self._emit_matmul_bf16(plan, out, alpha)
+            self._emit_matmul_bf16(plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label))
             return
+        if bias is not None:
+            raise ValueError(f"contraction {op.label}: a bias epilogue needs the bf16 matmul (BLAS has none)")
         call = (f"{self.blas}(CblasRowMajor, {'CblasTrans' if plan.trans_a else 'CblasNoTrans'}, "
                 f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {c_expr(plan.m)}, {c_expr(plan.n)}, "
                 f"{c_expr(plan.k)}, {alpha!r}, {plan.a.name} + {{oa}}, {c_expr(plan.lda)}, {plan.b.name} + {{ob}}, "
@@ -167,20 +172,46 @@ class _Emitter:
                f"{pointer(ops['k'])}, k_s_, {pointer(ops['v'])}, v_s_, {m_ptr}, {m_b}, "
                f"{str(bool(attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_);")
 
-    def _emit_matmul_bf16(self, plan, out: Operand, alpha: float) -> None:
-        """One oneDNN matmul (``ss::matmul_bf16``, substation_dnnl.h), batch letters included: bf16
-        operands, float32 accumulation, the output's dtype (bf16, or float32 for parameter gradients)."""
-        if len(plan.batch) > 3:
-            raise LayoutError(f"contraction {out.name}: {len(plan.batch)} batch letters (the bf16 matmul takes 3)")
-        offset = {x: (c_expr(o.base) if o.base != 0 else "0") for x, o in (("a", plan.a), ("b", plan.b), ("c", out))}
+    def _emit_matmul_bf16(self, plan, out: Operand, alpha: float, bias: BiasPlan | None) -> None:
+        """oneDNN matmul calls (``ss::matmul_bf16``, substation_dnnl.h): bf16 operands, float32
+        accumulation, the bias epilogue if any, the output's dtype (bf16, or float32 for parameter
+        gradients). Batch letters both factors run along go into one batched call; a letter one factor
+        lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
+        broadcast factor on its reference kernel (1000x slower)."""
+        wide = [t.name for t in (plan.a, plan.b) if self.dtypes[t.name] != "bfloat16"]
+        if wide:  # the mixed-precision pass casts every contraction input
+            raise ValueError(f"contraction {out.name} reads {', '.join(wide)} in "
+                             f"{', '.join(self.dtypes[t] for t in wide)}; the bf16 matmul takes bfloat16 operands")
+        bias_strides = bias.batch if bias is not None else [0] * len(plan.batch)
+        looped = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 in (b[1], b[2])]
+        batched = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 not in (b[1], b[2])]
+        if len(batched) > 3:
+            raise LayoutError(f"contraction {out.name}: {len(batched)} batch letters (the bf16 matmul takes 3)")
+
+        def pointer(o: Operand, idx: int) -> str:
+            terms = [c_expr(o.base)] if o.base != 0 else []
+            terms += [f"i_{x} * ({c_expr(s[idx])})" for (x, *s), _ in looped if s[idx] != 0]
+            return f"{o.name} + " + (" + ".join(terms) or "0")
         batch = "ss::GemmBatch{}"
-        if plan.batch:
-            lists = [[dim_size(x) for x, *_ in plan.batch]] + [[c_expr(s[i]) for _, *s in plan.batch] for i in range(3)]
-            batch = f"ss::GemmBatch{{{len(plan.batch)}, " + ", ".join("{" + ", ".join(v) + "}" for v in lists) + "}"
-        self.w(f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
-               f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {plan.a.name} + {offset['a']}, {c_expr(plan.lda)}, "
-               f"{plan.b.name} + {offset['b']}, {c_expr(plan.ldb)}, {plan.c.name} + {offset['c']}, {c_expr(plan.ldc)}, "
-               f"{str(self.dtypes[plan.c.name] == 'float32').lower()}, {batch}) != 0) return 1;")
+        if batched:
+            lists = [[dim_size(x) for (x, *_), _ in batched]] + [[c_expr(s[i]) for (_, *s), _ in batched]
+                                                                 for i in range(3)]
+            batch = f"ss::GemmBatch{{{len(batched)}, " + ", ".join("{" + ", ".join(v) + "}" for v in lists) + "}"
+        epilogue = ""
+        if bias is not None:
+            if self.dtypes[bias.operand.name] != "bfloat16":
+                raise ValueError(f"epilogue bias {bias.operand.name} is {self.dtypes[bias.operand.name]}; the bf16 "
+                                 "matmul adds a bfloat16 bias")
+            terms = [c_expr(bias.operand.base)] if bias.operand.base != 0 else []
+            terms += [f"i_{x} * ({c_expr(s)})" for (x, *_), s in looped if s != 0]
+            strides = ", ".join(c_expr(s) for _, s in batched) or "0"
+            epilogue = (f", ss::GemmBias{{{bias.operand.name}{' + ' + ' + '.join(terms) if terms else ''}, "
+                        f"{c_expr(bias.m)}, {c_expr(bias.n)}, {{{strides}}}}}")
+        call = (f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
+                f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, 0)}, {c_expr(plan.lda)}, "
+                f"{pointer(plan.b, 1)}, {c_expr(plan.ldb)}, {pointer(out, 2)}, {c_expr(plan.ldc)}, "
+                f"{str(self.dtypes[plan.c.name] == 'float32').lower()}, {batch}{epilogue}) != 0) return 1;")
+        self.loops([x for (x, *_), _ in looped], lambda: self.w(call), parallel=False)
 
 
 #: Rows a float column reduction sums in float before adding into its double accumulator.
@@ -503,20 +534,20 @@ def _timer_abi(ops: list[Operator]) -> list[str]:
 
 
 def tensor_dtypes(graph: LayerGraph) -> dict[str, str]:
-    """Dtype name of every tensor of ``graph`` in a CPU build: the config's dtype, except
+    """Dtype name of every tensor of ``graph`` in a CPU build.
 
-    - normalization statistics (:func:`stat_tensors`): float64 in float32 and float64 builds (backward
-      recomputes (x - mean) / std from them, and a float32 mean of a row with a large mean and a small
-      spread would lose most of its digits), float32 in bfloat16 builds (autocast's precision);
-    - in bfloat16 builds, the parameter gradients ``d<param>`` [param dims]: float32, as autocast
-      gives them (the GEMMs accumulate in float32 and write float32; column sums likewise).
+    - bfloat16 builds: the dtype the mixed-precision pass gave the tensor
+      (:mod:`substation.passes.precision`: autocast's, float32 residual stream, statistics and parameter
+      gradients), bfloat16 for a tensor it did not name;
+    - float32 and float64 builds: the config's dtype, except normalization statistics
+      (:func:`stat_tensors`): float64 (backward recomputes (x - mean) / std from them, and a float32 mean
+      of a row with a large mean and a small spread would lose most of its digits).
     """
     cfg = graph.config
+    if cfg.dtype == "bfloat16":
+        return {n: info.dtype or "bfloat16" for n, info in graph.tensors.items()}
     stats = stat_tensors(graph)
-    if cfg.dtype != "bfloat16":
-        return {n: ("float64" if n in stats else cfg.dtype) for n in graph.tensors}
-    wide = stats | {f"d{p}" for p in parameters(cfg)}
-    return {n: ("float32" if n in wide else "bfloat16") for n in graph.tensors}
+    return {n: ("float64" if n in stats else cfg.dtype) for n in graph.tensors}
 
 
 def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:

@@ -48,7 +48,7 @@ import re
 
 import sympy
 
-from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
+from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, access_letters
 from ...ir.operands import LayoutError, c_expr, dim_size, dim_symbol, linear_index, resolve_operand
 from ..common import stat_tensors
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel

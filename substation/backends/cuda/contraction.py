@@ -18,6 +18,7 @@ import sympy
 
 from ...ir.graph import LayerGraph, Operator
 from ...ir.operands import LayoutError, c_expr, dim_symbol, plan_contraction, resolve_operand
+from ...ops.contraction import EPILOGUE_BIAS, factors
 
 __all__ = ["MAX_BATCH_GROUPS", "merge_batch", "ContractionCalls"]
 
@@ -61,7 +62,9 @@ class ContractionCalls:
         """
         ops = {conn: resolve_operand(self.graph, t, a) for conn, (t, a) in self.graph.operands(op).items()}
         out = ops.pop("y")
-        a, b = ops.values()
+        if EPILOGUE_BIAS in ops:
+            raise ValueError(f"contraction {op.label}: CUDA builds place no bias in a GEMM epilogue")
+        a, b = factors(ops)
         plan = plan_contraction(a, b, out, op.label)
         alpha = op.attrs.get("alpha", 1.0)
         ptr = {w: f"{o.name} + ({c_expr(o.base) if o.base != 0 else '0'})"

@@ -10,7 +10,8 @@ from typing import Mapping
 
 from ...files import atomic_write_text
 from ...ir.graph import GraphBuilder, LayerGraph
-from ...ir.operands import plan_contraction, resolve_operand
+from ...ir.operands import plan_bias, plan_contraction, resolve_operand
+from ...ops.contraction import EPILOGUE_BIAS, factors
 from ...resources import bundled_file
 from .problem import LayoutProblem
 from .solve import Solution
@@ -190,9 +191,9 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
             (reads if tr["direction"] == "read" else writes).setdefault(label, {})[t] = name
     b = GraphBuilder(graph.sdfg.name, graph.config, phase)
     for name, info in graph.tensors.items():
-        b.tensor(name, info.dims, info.role, layouts[name])
+        b.copy_tensor(info, layout=layouts[name])
     for name, (t, l) in copies.items():
-        b.tensor(name, graph.tensors[t].dims, "temp", l)
+        b.copy_tensor(graph.tensors[t], role="temp", layout=l, name=name)
     labels = {op.label for op in graph.operators()}
     for table in (reads, writes):
         for label in table:
@@ -293,6 +294,7 @@ def apply_plan(fwd: LayerGraph, bwd: LayerGraph | None, plan) -> tuple[LayerGrap
         for op in g.operators():
             if op.kind == "contraction":
                 o = {c: resolve_operand(g, t, a) for c, (t, a) in g.operands(op).items()}
-                out = o.pop("y")
-                plan_contraction(*o.values(), out, op.label)
+                contraction = plan_contraction(*factors(o), o["y"], op.label)
+                if EPILOGUE_BIAS in o:
+                    plan_bias(contraction, o[EPILOGUE_BIAS], op.label)
     return new

@@ -8,8 +8,9 @@ import itertools
 from typing import Callable, Iterable, Mapping
 
 from ...ir.graph import LayerGraph, Operator, access_letters
-from ...ir.operands import LayoutError
+from ...ir.operands import LayoutError, gemm_groups
 from ...ops import op_space
+from ...ops.contraction import factors
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -190,15 +191,6 @@ class LayoutProblem:
 
 
 # -- GEMM modes --------------------------------------------------------------------------------------
-def _gemm_groups(c_access: str, a_access: str, b_access: str):
-    la, lb, lc = set(access_letters(a_access)), set(access_letters(b_access)), set(access_letters(c_access))
-    batch = [x for x in access_letters(c_access) if x in la and x in lb]
-    m = [x for x in access_letters(c_access) if x in la and x not in lb]
-    n = [x for x in access_letters(c_access) if x in lb and x not in la]
-    k = [x for x in access_letters(a_access) if x in lb and x not in lc]
-    return batch, m, n, k
-
-
 def _dense(st: dict, order: Iterable[str], size: Mapping[str, int]) -> bool:
     """Whether the letters ``order`` are adjacent in memory, outermost first, in ``st``."""
     order = list(order)
@@ -219,23 +211,28 @@ def gemm_modes(c_access: str, a_access: str, b_access: str) -> list[dict]:
     {m, n}, ``ua`` in {m, k}, ``ub`` in {n, k}) and the resulting BLAS flags (``swap``, ``trans_a``,
     ``trans_b``, as :func:`substation.ir.operands.plan_contraction` derives them).
 
+    Modes that loop over the stack letter T (one GEMM per T, as ``plan_contraction`` falls back to) are
+    included.
+
     Raises:
         LayoutError: an empty index group or a letter in only one operand (no layout maps to a GEMM).
     """
-    batch, m, n, k = _gemm_groups(c_access, a_access, b_access)
+    batch, m, n, k = gemm_groups(c_access, a_access, b_access)
     letters = set(access_letters(c_access)) | set(access_letters(a_access)) | set(access_letters(b_access))
     if not m or not n or not k or letters - set(batch) - set(m) - set(n) - set(k):
         raise LayoutError(f"{c_access} = {a_access} x {b_access} does not map to a GEMM in any layout")
     res = []
-    for mo, no, ko in itertools.product(itertools.permutations(m), itertools.permutations(n),
-                                        itertools.permutations(k)):
-        for uc, ua, ub in itertools.product("mn", "mk", "nk"):
-            if uc == "n":
-                swap, ta, tb = False, ua == "m", ub == "k"
-            else:  # C^T = B^T A^T
-                swap, ta, tb = True, ub == "n", ua == "k"
-            res.append({"m": "".join(mo), "n": "".join(no), "k": "".join(ko), "batch": "".join(batch),
-                        "uc": uc, "ua": ua, "ub": ub, "swap": swap, "trans_a": ta, "trans_b": tb})
+    looped = gemm_groups(c_access, a_access, b_access, loop_stack=True)
+    for batch, m, n, k in [(batch, m, n, k)] + ([looped] if looped else []):
+        for mo, no, ko in itertools.product(itertools.permutations(m), itertools.permutations(n),
+                                            itertools.permutations(k)):
+            for uc, ua, ub in itertools.product("mn", "mk", "nk"):
+                if uc == "n":
+                    swap, ta, tb = False, ua == "m", ub == "k"
+                else:  # C^T = B^T A^T
+                    swap, ta, tb = True, ub == "n", ua == "k"
+                res.append({"m": "".join(mo), "n": "".join(no), "k": "".join(ko), "batch": "".join(batch),
+                            "uc": uc, "ua": ua, "ub": ub, "swap": swap, "trans_a": ta, "trans_b": tb})
     return res
 
 
@@ -336,14 +333,13 @@ def _row_op(graph, op, key, tensors, sizes, model: CostModel) -> OpVar:
 def _gemm_op(graph, op, key, tensors, sizes, model: CostModel) -> OpVar:
     ops = graph.operands(op)
     c_t, c_acc = ops.pop("y")
-    (a_t, a_acc), (b_t, b_acc) = ops.values()
+    (a_t, a_acc), (b_t, b_acc) = factors(ops)  # an epilogue bias is a parameter: PyTorch's layout
     reads, writes = _op_operands(graph, op)
     roles: dict[str, list] = {}
     for role, t, acc in (("A", a_t, a_acc), ("B", b_t, b_acc), ("C", c_t, c_acc)):
         roles.setdefault(t, []).append((role, acc))
-    batch, m, n, k = _gemm_groups(c_acc, a_acc, b_acc)
+    batch, m, n, k = gemm_groups(c_acc, a_acc, b_acc)
     flops = 2 * _elements("".join(batch + m + n + k), sizes)
-    nbatch = _elements("".join(batch), sizes)
     modes = []
     for gm in gemm_modes(c_acc, a_acc, b_acc):
         spec = _gemm_roles(gm)
@@ -366,7 +362,7 @@ def _gemm_op(graph, op, key, tensors, sizes, model: CostModel) -> OpVar:
                 break
             operand[t] = ok
         else:
-            base = (model.kernel_seconds + nbatch * model.call_seconds
+            base = (model.kernel_seconds + _elements(gm["batch"], sizes) * model.call_seconds
                     + flops / model.gemm_flops * (1 + model.trans_penalty * (gm["trans_a"] + gm["trans_b"])))
             name = f"m={gm['m']} n={gm['n']} k={gm['k']} C:{gm['uc']} A:{gm['ua']} B:{gm['ub']}"
             opts = {"gemm": {x: gm[x] for x in ("m", "n", "k", "batch", "swap", "trans_a", "trans_b")}}
