@@ -184,6 +184,11 @@ def test_pure_bfloat16_layer_trains_and_runs_inference(fp32_layer):
     assert y_eval.dtype == torch.bfloat16 and _rel(y_eval[real], exact[real]) < 3e-2
     assert float(y_eval[pad].abs().max()) == 0.0
     assert layer.compiled.forward_only().mode == "eval"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as PyTorch's bf16 layer: float32
+        assert layer(xb.detach(), key_padding_mask=pad).dtype == torch.float32
+    with pytest.raises(TypeError, match="under bf16 autocast this float32 layer runs its bfloat16 build"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_layer(x.half())
     assert all(torch.isfinite(y_eval[1, :4]).view(-1))
 
 
@@ -233,6 +238,14 @@ def test_fully_masked_rows_give_zeros_in_bfloat16(fp32_layer):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         y = fp32_layer(x, key_padding_mask=pad)
     assert float(y[1].abs().max()) == 0.0 and _rel(y[0], exact[0]) < 3e-2
+    # Hugging Face's mask value, float32's minimum, is beyond bfloat16's range: it stays finite, so a row
+    # masked with it everywhere attends uniformly (as in PyTorch) instead of giving zeros
+    hf = torch.zeros(2, 7).masked_fill(pad, torch.finfo(torch.float32).min)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp32_layer(x.clone().requires_grad_(), attention_mask=hf).detach()
+    with torch.no_grad():
+        uniform = ref(x.double(), hf.double())
+    assert _rel(y[1], uniform[1]) < 1e-2 and _rel(y[1], exact[1]) > 5e-2
 
 
 def test_torch_compile_fullgraph_under_autocast(fp32_layer):

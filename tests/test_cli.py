@@ -4,7 +4,12 @@ import os
 import subprocess
 import sys
 
-from substation.cli import main
+import pytest
+import yaml
+
+from substation.backends.cpu.build import cpu_flags
+from substation.cli import CHECK_TOLERANCE, main
+from substation.config import load_config
 
 
 def test_compile_writes_everything(tmp_path, capsys):
@@ -24,6 +29,17 @@ def test_compile_writes_everything(tmp_path, capsys):
     assert main(["compile", "tiny", "--out", str(out), "--repeats", "1", "--no-fuse"]) == 0
     assert json.loads((out / "report.json").read_text())["operators"] == {"forward": 20, "backward": 27}
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="bfloat16 CPU builds need AVX512-BF16")
+def test_compile_checks_a_bfloat16_config_at_its_own_precision(tmp_path, capsys):
+    """A bf16 config compiles and passes the check against PyTorch's bf16 layer (bf16-sized errors)."""
+    path = tmp_path / "tiny-bf16.yaml"
+    path.write_text(yaml.safe_dump({**load_config("tiny").to_dict(), "dtype": "bfloat16", "name": "tiny-bf16"}))
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--out", str(out), "--repeats", "1"]) == 0, capsys.readouterr().err
+    err = json.loads((out / "report.json").read_text())["max_rel_error_vs_pytorch"]
+    assert 1e-4 < err < CHECK_TOLERANCE["bfloat16"]
 
 
 def test_outputs_never_replace_foreign_files(tmp_path, capsys):

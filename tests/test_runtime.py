@@ -156,6 +156,23 @@ def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):
         layer(x)
 
 
+def test_the_library_call_checks_dtype_shape_and_contiguity(tiny_nodrop):
+    """``CompiledGraph`` takes raw pointers: a wrong dtype, shape or a strided view is refused by name
+    before the library runs (it would read garbage or out of bounds)."""
+    graph = make_layer(tiny_nodrop).compiled.forward
+    sizes = graph.graph.config.sizes(2, 7)
+    given = {t.name: torch.randn(t.shape(sizes), dtype=graph.dtypes[t.name]) for t in graph.args
+             if t.role in ("input", "param")}
+    assert graph(given, 2, 7)["Y"].shape == (2, 7, 16)
+    cases = [("X", given["X"].float(), TypeError, r"X is torch.float32, not torch.float64"),
+             ("X", given["X"][:1], ValueError, r"X \(1, 7, 16\) \(needs 224 elements\)"),
+             ("linear1_weight", given["linear1_weight"].t().contiguous().t(), ValueError,
+              r"linear1_weight \(24, 16\) non-contiguous")]
+    for name, bad, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            graph({**given, name: bad}, 2, 7)
+
+
 def test_dtype_change_switches_the_build(tiny_nodrop):
     layer = make_layer(tiny_nodrop)
     assert layer.to("cpu") is layer and layer.compiled.config.dtype == "float64"  # a device move keeps the dtype

@@ -6,6 +6,7 @@ import json
 
 from ..files import atomic_write
 from ..ir.graph import OP_CLASSES
+from ..passes.precision import applies_to
 from .analysis import PAPER_CLASS_SHARES, PAPER_MAX_REDUCTION_PCT, PASSES, Analysis
 
 __all__ = ["differences", "format_kernels", "format_report", "plot_report", "write_json"]
@@ -48,8 +49,10 @@ def format_report(analysis: Analysis) -> str:
     a, m = analysis, analysis.measurement
     bw = m.copy_bandwidth if m else None
     c = a.config
+    width_note = (f"{c.itemsize} bytes; float32 residual stream, norms, statistics" if applies_to(c.dtype, c.target)
+                  else f"{c.itemsize} bytes")
     lines = [f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
-             f"U={c.ffn_size} {c.dtype} ({c.itemsize} bytes) {c.layer_norm}-LN {c.activation}"
+             f"U={c.ffn_size} {c.dtype} ({width_note}) {c.layer_norm}-LN {c.activation}"
              + ("  [optimized graphs]" if a.optimized else "  [unfused graphs]")
              + ("  [inference build: forward only, no dropout, nothing saved]" if a.mode == "eval" else "")]
     width = max([len("operator")] + [len(o.name) for o in a.operators])
@@ -66,6 +69,9 @@ def format_report(analysis: Analysis) -> str:
             row += (f" {_fmt_rate(o.seconds, 1e-3, '{:.3f}'):>8} {_fmt_rate(rate, 1e9):>8} "
                     f"{_fmt_rate(o.bandwidth(), 1e9):>7} {_fmt_rate(eff, 0.01):>6}")
         lines.append(row)
+    if any(o.name == "master_weight_casts" for o in a.operators):
+        lines.append("master_weight_casts: the float32 master weights cast to bf16 inside the operator, once per call "
+                     "under autocast (a pure-bf16 layer skips it)")
     lines += ["", "class summary (share of the pass; kernels = operators, a fused kernel counts once)"]
     head = f"{'pass':<9} {'class':<5} {'kernels':>7} {'GFLOP':>9} {'MB':>9} {'flop %':>7} {'bytes %':>7}"
     if m:

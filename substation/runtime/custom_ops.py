@@ -29,7 +29,9 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     the compiled code reads, from a mask whose shape :func:`check_mask` accepted.
 
     A bool or integer mask marks keys to attend (``attend_marks_true``, Hugging Face) or padding
-    (PyTorch's ``key_padding_mask``); a float mask is additive. A 4-D ``[B, 1, J, K]`` mask must be
+    (PyTorch's ``key_padding_mask``); a float mask is additive, its finite values clamped to the range
+    of ``dtype`` (float32's minimum, Hugging Face's mask value, stays finite in bfloat16, so a row
+    masked with it everywhere still attends uniformly, as in PyTorch). A 4-D ``[B, 1, J, K]`` mask must be
     the same for every query j; it is reduced to its first row (checked here, on the data: this runs
     inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
 
@@ -47,6 +49,9 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     if mask.dtype == torch.bool or not mask.is_floating_point():
         attend = mask.bool() if attend_marks_true else ~mask.bool()
         return torch.zeros(batch, seq, dtype=dtype, device=mask.device).masked_fill_(~attend, float("-inf"))
+    if mask.dtype != dtype and torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
+        low = torch.finfo(dtype)
+        mask = torch.where(mask.isinf(), mask, mask.clamp(low.min, low.max))
     return mask.to(dtype).contiguous()
 
 
@@ -233,8 +238,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a float32 CPU layer runs its bfloat16 build
     (:meth:`~substation.runtime.CompiledLayer.for_autocast`); a half-precision layer under autocast takes
     float32 inputs and float32 (master) parameters, cast inside the operator once per call (the copies
-    are kept for backward; parameter gradients reach the float32 parameters), and then returns float32
-    as PyTorch's own layer does under autocast.
+    are kept for backward; parameter gradients reach the float32 parameters). Under autocast a CPU layer
+    returns float32 (a CUDA one when its parameters are float32), as PyTorch's own layer does there.
 
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
@@ -258,6 +263,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     cast = bf16_autocast or _autocast_casts(x.device.type, dtype)
     if x.dtype != dtype:
         if not (cast and x.dtype == torch.float32):
+            if bf16_autocast:
+                raise TypeError(f"hidden_states has dtype {x.dtype}; under bf16 autocast this float32 layer runs its "
+                                f"bfloat16 build, which takes float32 or bfloat16 input")
             raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {dtype}")
     # Mixed-precision builds take X in float32 (their residual stream, as autocast keeps it).
     x = x.to(ALL_TORCH_DTYPES[boundary_dtype(DTYPE_NAMES[dtype], config.target)])
@@ -293,9 +301,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
                              [p if p.is_contiguous() else p.contiguous() for p in params], seed, training,
                              not needs_grad and not training, bf16_autocast)
-    # Under autocast with float32 (master) parameters, the output is float32 as PyTorch's layer gives
-    # it (autocast runs layer norm in float32).
-    if cast and params and all(p.dtype == torch.float32 for p in params):
+    # Under autocast the output is float32, as PyTorch's layer gives it (autocast runs layer norm in
+    # float32): on the CPU always, on CUDA when the parameters are float32 masters.
+    if cast and (device_type == "cpu" or (params and all(p.dtype == torch.float32 for p in params))):
         return outputs[0].float()
     return outputs[0].to(dtype)
 

@@ -4,6 +4,7 @@ the custom operators find layers in; dtype tables and the parameter list of a co
 from __future__ import annotations
 
 import ctypes
+import math
 import dataclasses
 import os
 import threading
@@ -109,6 +110,7 @@ class CompiledGraph:
         # on every call); a concurrent call from another thread gets its own.
         self._workspace: torch.Tensor | None = None  # made on the first run (never under a fake-tensor mode)
         self._workspace_lock = threading.Lock()
+        self._numels: dict[tuple[int, int], list[int]] = {}  # (B, J) -> each argument's element count
         self.instrumented = hasattr(self.lib, "substation_op_names")
         if self.instrumented:
             self.lib.substation_op_names.restype = ctypes.c_char_p
@@ -163,11 +165,25 @@ class CompiledGraph:
 
         Raises:
             KeyError: an argument is missing. TypeError: an argument of another dtype than
-            :attr:`dtypes` says. RuntimeError: the library failed."""
+            :attr:`dtypes` says. ValueError: an argument of another size (element count), or not
+            contiguous.
+            RuntimeError: the library failed."""
+        numels = self._numels.get((batch, seq))
+        if numels is None:
+            if len(self._numels) >= 1024:  # one entry per (B, J) seen: bounded
+                self._numels.clear()
+            sizes = self.graph.config.sizes(batch, seq)
+            numels = self._numels[batch, seq] = [math.prod(t.shape(sizes)) for t in self.args]
         wrong = [f"{t.name} is {tensors[t.name].dtype}, not {self.dtypes[t.name]}" for t in self.args
                  if tensors[t.name].dtype != self.dtypes[t.name]]
         if wrong:
             raise TypeError(f"{self.graph.phase} library arguments of the wrong dtype: {'; '.join(wrong)}")
+        wrong = [f"{t.name} {tuple(v.shape)}{'' if v.is_contiguous() else ' non-contiguous'} (needs {n} elements)"
+                 for t, n in zip(self.args, numels) for v in (tensors[t.name],)
+                 if v.numel() != n or not v.is_contiguous()]
+        if wrong:
+            raise ValueError(f"{self.graph.phase} library arguments at B={batch}, J={seq} must be contiguous "
+                             f"tensors of their sizes: {'; '.join(wrong)}")
         device = next(iter(tensors.values())).device
         ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
