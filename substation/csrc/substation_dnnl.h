@@ -12,9 +12,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "substation_cpu.h"
@@ -22,7 +22,8 @@
 namespace ss {
 
 // The batch letters of a batched contraction (at most three): sizes and each operand's element stride
-// along them; a stride of 0 broadcasts that operand over the letter.
+// along them, none 0 (oneDNN 3.2 runs a factor broadcast over a batch letter on its reference kernel,
+// 1000x slower: the generated code loops over such a letter instead).
 struct GemmBatch {
   int count = 0;
   int64_t size[3] = {1, 1, 1}, a[3] = {0, 0, 0}, b[3] = {0, 0, 0}, c[3] = {0, 0, 0};
@@ -77,15 +78,16 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       if (found == primitives.end()) {
         memory::dims ad, as, bd, bs, cd, cs, biasd, biass;
         for (int i = 0; i < batch.count; ++i) {
-          // A broadcast operand has extent 1 along the letter (its stride there is never used).
-          ad.push_back(batch.a[i] ? batch.size[i] : 1);
-          as.push_back(batch.a[i] ? batch.a[i] : 1);
-          bd.push_back(batch.b[i] ? batch.size[i] : 1);
-          bs.push_back(batch.b[i] ? batch.b[i] : 1);
+          if (!batch.a[i] || !batch.b[i] || !batch.c[i])
+            throw std::invalid_argument("a batch stride of 0 (loop over that letter instead)");
+          ad.push_back(batch.size[i]);
+          as.push_back(batch.a[i]);
+          bd.push_back(batch.size[i]);
+          bs.push_back(batch.b[i]);
           cd.push_back(batch.size[i]);
           cs.push_back(batch.c[i]);
-          biasd.push_back(bias.batch[i] ? batch.size[i] : 1);
-          biass.push_back(bias.batch[i] ? bias.batch[i] : 1);
+          biasd.push_back(bias.batch[i] ? batch.size[i] : 1);  // a broadcast bias has extent 1 there
+          biass.push_back(bias.batch[i]);
         }
         biasd.insert(biasd.end(), {bias.m ? m : 1, bias.n ? n : 1});
         biass.insert(biass.end(), {bias.m ? bias.m : 1, bias.n ? bias.n : 1});
@@ -95,16 +97,14 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         bs.insert(bs.end(), {trans_b ? 1 : ldb, trans_b ? ldb : 1});
         cd.insert(cd.end(), {m, n});
         cs.insert(cs.end(), {ldc, 1});
-        // A broadcast extent gets the stride a dense tensor would have there (the span of the dimensions
-        // inside it), so that oneDNN sees a plain format: a stride of 1 there sends the call to its
-        // reference kernel.
-        for (auto [dims, strides] : {std::pair{&ad, &as}, std::pair{&bd, &bs}, std::pair{&biasd, &biass}})
-          for (size_t i = 0; i < dims->size(); ++i)
-            if ((*dims)[i] == 1) {
-              int64_t span = 1;
-              for (size_t j = i + 1; j < dims->size(); ++j) span = std::max(span, (*strides)[j] * (*dims)[j]);
-              (*strides)[i] = span;
-            }
+        // The bias's broadcast extents get the stride a dense tensor would have there (the span of the
+        // dimensions inside), so that oneDNN sees a plain format.
+        for (size_t i = 0; i < biasd.size(); ++i)
+          if (biasd[i] == 1) {
+            int64_t span = 1;
+            for (size_t j = i + 1; j < biasd.size(); ++j) span = std::max(span, biass[j] * biasd[j]);
+            biass[i] = span;
+          }
         const memory::desc a_md(ad, memory::data_type::bf16, as), b_md(bd, memory::data_type::bf16, bs);
         const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : memory::data_type::bf16, cs);
         dnnl::primitive_attr attr;
