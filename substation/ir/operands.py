@@ -192,17 +192,14 @@ def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> Contract
     stray = (la | lb | lc) - set(batch) - set(m) - set(n) - set(k)
     if stray:
         raise LayoutError(f"{label}: indices {''.join(sorted(stray))} appear in only one operand")
-    try:
-        return _plan(a, b, c, label, batch, m, n, k)
-    except LayoutError:
-        looped = gemm_groups(c.access, a.access, b.access, loop_stack=True)
-        if looped is None:
-            raise
+    looped = gemm_groups(c.access, a.access, b.access, loop_stack=True)
+    first = None
+    for groups in [(batch, m, n, k)] + ([looped] if looped else []):
         try:
-            return _plan(a, b, c, label, *looped)
-        except LayoutError:
-            pass
-        raise
+            return _plan(a, b, c, label, *groups)
+        except LayoutError as e:  # the first attempt's reason is the one to report
+            first = first or e
+    raise first
 
 
 def _plan(a: Operand, b: Operand, c: Operand, label: str, batch, m, n, k) -> ContractionPlan:
