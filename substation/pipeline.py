@@ -28,8 +28,8 @@ from .passes.autodiff import build_backward
 from .passes.epilogue import applies_to as epilogue_applies
 from .passes.epilogue import fuse_epilogues
 from .passes.fusion import fuse as fuse_graph
-from .passes.precision import mixed_precision
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
+from .passes.precision import mixed_precision
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -229,7 +229,8 @@ PASSES = (
     Pass("autodiff", "derive the backward SDFG; mark what forward saves", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
     Pass("fusion", "fuse attention (forward-only CPU float builds), move biases into GEMM epilogues (bf16 CPU "
-         "builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS, _fusion, lambda o: o.fuse),
+         "builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,
+         _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),
     Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD, frozenset({"sources"}), _codegen),

@@ -14,14 +14,15 @@ from __future__ import annotations
 from ..config import EncoderConfig
 from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops.contraction import EPILOGUE_BIAS
+from .precision import applies_to as mixed_precision
 
 __all__ = ["applies_to", "epilogue_candidates", "fuse_epilogues"]
 
 
 def applies_to(config: EncoderConfig) -> bool:
     """Whether builds of ``config`` run their contractions on a GEMM call with a bias epilogue: the
-    bfloat16 CPU builds (``ss::matmul_bf16``, oneDNN)."""
-    return config.target == "cpu" and config.dtype == "bfloat16"
+    mixed-precision (bfloat16 CPU) builds, whose GEMMs are oneDNN's (``ss::matmul_bf16``)."""
+    return mixed_precision(config.dtype, config.target)
 
 
 def epilogue_candidates(graph: LayerGraph, protected: set[str] = frozenset()) -> dict[str, str]:

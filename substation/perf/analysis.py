@@ -464,8 +464,8 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     per_op: dict = {}
     per_pass: dict = {phase: [] for phase in libs}
     casts = master_weight_casts(compiled.forward.graph)
-    masters = [p.detach().float() for n, p in layer.named_parameters()
-               if casts is not None and compiled.forward.dtypes[n] == torch.bfloat16]
+    masters = [] if casts is None else [p.detach().float() for n, p in layer.named_parameters()
+                                        if compiled.forward.dtypes[n] == torch.bfloat16]
     copy = CopyTimer(copy_bytes)
     step = Candidate("substation", lambda xg: layer(xg, attention_mask=mask), list(layer.parameters()))
     for r in range(warmup + repeats):

@@ -4,8 +4,8 @@ the custom operators find layers in; dtype tables and the parameter list of a co
 from __future__ import annotations
 
 import ctypes
-import math
 import dataclasses
+import math
 import os
 import threading
 from typing import Callable

@@ -110,14 +110,13 @@ class _Emitter:
                 f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {c_expr(plan.m)}, {c_expr(plan.n)}, "
                 f"{c_expr(plan.k)}, {alpha!r}, {plan.a.name} + {{oa}}, {c_expr(plan.lda)}, {plan.b.name} + {{ob}}, "
                 f"{c_expr(plan.ldb)}, 0.0, {plan.c.name} + {{oc}}, {c_expr(plan.ldc)});")
-        base = {x: (c_expr(o.base) if o.base != 0 else "0") for x, o in (("a", plan.a), ("b", plan.b), ("c", out))}
+        operand = {"a": plan.a, "b": plan.b, "c": out}
         if not plan.batch:
-            self.w(call.format(oa=base["a"], ob=base["b"], oc=base["c"]))
+            self.w(call.format(**{f"o{w}": _element_offset(o, []) for w, o in operand.items()}))
             return
 
         def off(which, idx):
-            terms = [base[which]] + [f"i_{x} * ({c_expr(s[idx])})" for x, *s in plan.batch if s[idx] != 0]
-            return " + ".join(t for t in terms if t != "0") or "0"
+            return _element_offset(operand[which], [(x, s[idx]) for x, *s in plan.batch])
         nbatch = " * ".join(dim_size(x) for x, *_ in plan.batch)
         inner = call.format(oa=off("a", 0), ob=off("b", 1), oc=off("c", 2))
         letters = [x for x, *_ in plan.batch]
@@ -178,20 +177,19 @@ class _Emitter:
         gradients). Batch letters both factors run along go into one batched call; a letter one factor
         lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
         broadcast factor on its reference kernel (1000x slower)."""
-        wide = [t.name for t in (plan.a, plan.b) if self.dtypes[t.name] != "bfloat16"]
+        inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
+        wide = [t.name for t in inputs if self.dtypes[t.name] != "bfloat16"]
         if wide:  # the mixed-precision pass casts every contraction input
             raise ValueError(f"contraction {out.name} reads {', '.join(wide)} in "
-                             f"{', '.join(self.dtypes[t] for t in wide)}; the bf16 matmul takes bfloat16 operands")
+                             f"{', '.join(self.dtypes[t] for t in wide)}; the bf16 matmul takes bfloat16 operands, bias")
         bias_strides = bias.batch if bias is not None else [0] * len(plan.batch)
         looped = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 in (b[1], b[2])]
         batched = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 not in (b[1], b[2])]
         if len(batched) > 3:
             raise LayoutError(f"contraction {out.name}: {len(batched)} batch letters (the bf16 matmul takes 3)")
 
-        def pointer(o: Operand, idx: int) -> str:
-            terms = [c_expr(o.base)] if o.base != 0 else []
-            terms += [f"i_{x} * ({c_expr(s[idx])})" for (x, *s), _ in looped if s[idx] != 0]
-            return f"{o.name} + " + (" + ".join(terms) or "0")
+        def pointer(o: Operand, strides: list) -> str:  # strides: o's along each looped letter
+            return f"{o.name} + {_element_offset(o, [(x, s) for ((x, *_), _), s in zip(looped, strides)])}"
         batch = "ss::GemmBatch{}"
         if batched:
             lists = [[dim_size(x) for (x, *_), _ in batched]] + [[c_expr(s[i]) for (_, *s), _ in batched]
@@ -199,19 +197,21 @@ class _Emitter:
             batch = f"ss::GemmBatch{{{len(batched)}, " + ", ".join("{" + ", ".join(v) + "}" for v in lists) + "}"
         epilogue = ""
         if bias is not None:
-            if self.dtypes[bias.operand.name] != "bfloat16":
-                raise ValueError(f"epilogue bias {bias.operand.name} is {self.dtypes[bias.operand.name]}; the bf16 "
-                                 "matmul adds a bfloat16 bias")
-            terms = [c_expr(bias.operand.base)] if bias.operand.base != 0 else []
-            terms += [f"i_{x} * ({c_expr(s)})" for (x, *_), s in looped if s != 0]
             strides = ", ".join(c_expr(s) for _, s in batched) or "0"
-            epilogue = (f", ss::GemmBias{{{bias.operand.name}{' + ' + ' + '.join(terms) if terms else ''}, "
+            epilogue = (f", ss::GemmBias{{{pointer(bias.operand, [s for _, s in looped])}, "
                         f"{c_expr(bias.m)}, {c_expr(bias.n)}, {{{strides}}}}}")
         call = (f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
-                f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, 0)}, {c_expr(plan.lda)}, "
-                f"{pointer(plan.b, 1)}, {c_expr(plan.ldb)}, {pointer(out, 2)}, {c_expr(plan.ldc)}, "
+                f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, [b[1] for b, _ in looped])}, "
+                f"{c_expr(plan.lda)}, {pointer(plan.b, [b[2] for b, _ in looped])}, {c_expr(plan.ldb)}, "
+                f"{pointer(out, [b[3] for b, _ in looped])}, {c_expr(plan.ldc)}, "
                 f"{str(self.dtypes[plan.c.name] == 'float32').lower()}, {batch}{epilogue}) != 0) return 1;")
         self.loops([x for (x, *_), _ in looped], lambda: self.w(call), parallel=False)
+
+
+def _element_offset(o: Operand, loops: list) -> str:
+    """C expression of ``o``'s element offset in loops over (letter, o's stride) pairs, or ``0``."""
+    terms = ([c_expr(o.base)] if o.base != 0 else []) + [f"i_{x} * ({c_expr(s)})" for x, s in loops if s != 0]
+    return " + ".join(terms) or "0"
 
 
 #: Rows a float column reduction sums in float before adding into its double accumulator.

@@ -12,6 +12,7 @@ from ...files import atomic_write_text
 from ...ir.graph import GraphBuilder, LayerGraph
 from ...ir.operands import plan_bias, plan_contraction, resolve_operand
 from ...ops.contraction import EPILOGUE_BIAS, factors
+from ..precision import applies_to as mixed_precision
 from ...resources import bundled_file
 from .problem import LayoutProblem
 from .solve import Solution
@@ -248,7 +249,7 @@ BF16_CPU_PLAN = LayoutPlan(tensors={"QKV": "TBJHP"},
 def default_plan(config) -> LayoutPlan | None:
     """The plan a build of ``config`` gets when none is given: :data:`BF16_CPU_PLAN` for bfloat16 CPU
     builds, else None (PyTorch's layouts)."""
-    return BF16_CPU_PLAN if config.target == "cpu" and config.dtype == "bfloat16" else None
+    return BF16_CPU_PLAN if mixed_precision(config.dtype, config.target) else None
 
 
 def apply_plan(fwd: LayerGraph, bwd: LayerGraph | None, plan) -> tuple[LayerGraph, LayerGraph | None]:
