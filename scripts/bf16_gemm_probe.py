@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import platform
@@ -169,13 +170,16 @@ def find_onednn(root: str | None) -> dict:
 
 def build(onednn: dict, build_dir: str) -> tuple[str, list[str]]:
     sys.path.insert(0, ROOT)
-    from substation.build import FLAGS, toolchain
+    from substation.backends.cpu.build import FLAGS, toolchain
     tc = toolchain()
     os.makedirs(build_dir, exist_ok=True)
-    out = os.path.join(build_dir, "bf16_gemm_probe.so")
     d = os.path.dirname(onednn["lib"])
-    cmd = ([tc.cxx, *FLAGS, f"-I{onednn['include']}", f"-I{tc.blas_include}", SOURCE, "-o", out,
-            f"-Wl,-rpath,{d}", f"-L{d}", "-l:libdnnl.so.3"] + tc.link_args())
+    flags = [*FLAGS, f"-I{onednn['include']}", f"-I{tc.blas_include}", SOURCE,
+             f"-Wl,-rpath,{d}", f"-L{d}", "-l:libdnnl.so.3"] + tc.link_args()
+    # named after its command: another oneDNN (--onednn-root) or compiler gets its own build
+    tag = hashlib.sha256("\0".join([tc.cxx, *flags]).encode()).hexdigest()[:12]
+    out = os.path.join(build_dir, f"bf16_gemm_probe-{tag}.so")
+    cmd = [tc.cxx, *flags[:len(FLAGS) + 3], "-o", out, *flags[len(FLAGS) + 3:]]
     if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(SOURCE):
         t = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)

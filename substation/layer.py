@@ -96,7 +96,7 @@ class EncoderLayer(nn.Module):
         config = layer_config(hf_layer, **config_overrides)
         family = family_of(hf_layer)
         new = cls(cached_compile(config))
-        sources = family.tensors(hf_layer)  # outside no_grad: the Q/K/V concatenation keeps requires_grad
+        sources = [torch.cat(t) if isinstance(t, tuple) else t for t in family.tensors(hf_layer)]  # keeps requires_grad
         with torch.no_grad():
             for name, src in zip(PARAMETER_NAMES, sources):
                 dst = getattr(new, name)

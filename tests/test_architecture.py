@@ -93,3 +93,25 @@ def test_module_size(module):
     with open(MODULES[module]) as f:
         lines = sum(1 for _ in f)
     assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines (at most {MAX_MODULE_LINES})"
+
+
+SCRIPTS = os.path.join(os.path.dirname(ROOT), "scripts")
+
+
+def test_scripts_import_names_the_package_has():
+    """Every ``from substation... import name`` in scripts/ (at any depth: the GPU check and the probes
+    import inside functions) names a module and an attribute that exist, so a moved module cannot leave a
+    script that fails only when someone runs it."""
+    import importlib
+    missing, checked = [], 0
+    for name in sorted(os.listdir(SCRIPTS)):
+        if not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(SCRIPTS, name)).read())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "substation":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    checked += 1
+                    if not hasattr(module, alias.name):
+                        missing.append(f"{name}:{node.lineno}: {node.module}.{alias.name}")
+    assert checked >= 20 and not missing, missing

@@ -198,3 +198,58 @@ def test_jit_trace_with_gradients_enabled_and_the_traced_module_differentiates(t
     ref = x.clone().requires_grad_()
     layer(ref).sum().backward()
     assert float((xg.grad - ref.grad).abs().max()) <= 1e-12
+
+
+def test_inference_build_takes_the_qkv_weight_in_parts(timed):
+    """The forward-only library takes in_proj_weight as three Q, K, V pointers (no per-call concatenation
+    for drop-in layers): one GEMM per T in its code, results equal to the stacked weight's bit for bit;
+    the training build keeps one stacked argument."""
+    from substation.ir.operands import split_stack_params
+    train, inference = timed
+    assert inference.forward.split == {"in_proj_weight"} and split_stack_params(inference.forward.graph) == ("in_proj_weight",)
+    assert train.forward.split == frozenset() and split_stack_params(train.backward.graph) == ()
+    source = inference.sources["forward"]
+    assert source.count("in_proj_weight_parts_[i_T]") == 1 and "in_proj_weight_parts_ = " in source
+    layer = EncoderLayer(train).eval()
+    params = [getattr(layer, n) for n in layer.parameter_names]
+    w = layer.in_proj_weight
+    i = train.config.hidden_size
+    parts = tuple(w.detach()[k * i:(k + 1) * i].clone() for k in range(3))  # three separate buffers
+    x = torch.randn(2, 7, i, dtype=torch.float64)
+    from substation.runtime import run_layer
+    with torch.no_grad():
+        y_stacked = run_layer(train, x, params, training=False)
+        split_params = [parts if n == "in_proj_weight" else p for n, p in zip(layer.parameter_names, params)]
+        _op_total(inference.forward)
+        y_parts = run_layer(train, x, split_params, training=False)
+        assert _op_total(inference.forward) > 0
+    assert torch.equal(y_stacked, y_parts)
+    # with a gradient needed the parts are concatenated differentiably: each part gets its slice of the gradient
+    leaves = tuple(q.clone().requires_grad_() for q in parts)  # leaves
+    split_params = [leaves if n == "in_proj_weight" else p for n, p in zip(layer.parameter_names, params)]
+    run_layer(train, x, split_params, training=False).square().sum().backward()
+    y_ref = layer(x)
+    y_ref.square().sum().backward()
+    for k, q in enumerate(leaves):
+        assert torch.allclose(q.grad, w.grad[k * i:(k + 1) * i], rtol=1e-12, atol=1e-12)
+
+
+def test_parts_of_the_wrong_count_dtype_or_size_are_named(timed):
+    _, inference = timed
+    lib = inference.forward
+    i = inference.config.hidden_size
+    layer = EncoderLayer(inference)
+    given = {n: getattr(layer, n).detach() for n in layer.parameter_names}
+    given["X"] = torch.randn(1, 4, i, dtype=torch.float64)
+    if "mask" in lib.dtypes:
+        given["mask"] = torch.zeros(1, 4, dtype=lib.dtypes["mask"])
+    w = given["in_proj_weight"]
+    cases = [((w[:i], w[i:2 * i]), ValueError, "given as 2 parts"),
+             ((w[:i], w[i:2 * i], w[2 * i:].float()), TypeError, "in_proj_weight part 2 is torch.float32"),
+             ((w[:i], w[i:2 * i], w[2 * i:-1]), ValueError, "in_proj_weight part 2"),
+             ((w[:i], w[i:2 * i], w[2 * i:].t()), ValueError, "non-contiguous")]
+    for value, error, text in cases:
+        with pytest.raises(error, match=text):
+            lib({**given, "in_proj_weight": value}, 1, 4)
+    with pytest.raises(ValueError, match="out_proj_weight given as 3 parts; it takes one tensor"):
+        lib({**given, "out_proj_weight": (w[:1], w[1:2], w[2:3])}, 1, 4)

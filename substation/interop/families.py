@@ -240,10 +240,12 @@ class Family:
         except ImportError:
             return None
 
-    def tensors(self, layer: nn.Module) -> list[torch.Tensor]:
+    def tensors(self, layer: nn.Module) -> list:
         """The layer's current weights as Substation's parameters, in :data:`PARAMETER_NAMES` order and
-        PyTorch's shapes (``in_proj_weight`` [3I, I] = Q, K, V concatenated, differentiably; a missing
-        Q/K/V bias is zeros). Read on every call, so replaced or loaded parameters are seen."""
+        PyTorch's shapes; a stacked one (``in_proj_weight`` [3I, I], ``in_proj_bias`` [3I]) as the tuple
+        of its Q, K, V parts, which :func:`~substation.runtime.run_layer` takes apart or concatenates (a
+        missing Q/K/V bias is zeros [3I]). Read on every call, so replaced, loaded or edited parameters
+        are seen."""
         out = []
         for name in PARAMETER_NAMES:
             parts = [_get(layer, p) for p in self.paths[name]]
@@ -253,7 +255,7 @@ class Family:
                 w = _get(layer, self.paths["in_proj_weight"][0])
                 out.append(torch.zeros(3 * w.shape[0], dtype=w.dtype, device=w.device))
             else:
-                out.append(torch.cat(parts, dim=0))
+                out.append(tuple(parts))
         return out
 
 

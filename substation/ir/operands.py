@@ -15,7 +15,7 @@ import sympy
 from .graph import LayerGraph, access_letters, layout_strides
 
 __all__ = ["LayoutError", "Operand", "BiasPlan", "ContractionPlan", "STACK_LETTER", "c_expr", "dim_symbol", "dim_size",
-           "gemm_groups", "linear_index", "plan_bias", "plan_contraction", "resolve_operand", "stride_order"]
+           "gemm_groups", "linear_index", "plan_bias", "plan_contraction", "resolve_operand", "split_stack_params", "stride_order"]
 
 
 class LayoutError(ValueError):
@@ -161,6 +161,24 @@ def _transposition(op: Operand, row_stride, col_stride, label: str) -> tuple[boo
 STACK_LETTER = "T"
 
 
+def split_stack_params(graph: LayerGraph) -> tuple[str, ...]:
+    """The parameters a forward-only CPU library takes in parts, one pointer per index of the stack
+    letter T (``in_proj_weight`` [T, H, P, I] as the Q, K and V weights [H, P, I], wherever each lives):
+    parameters stored T-outermost whose every reader is a contraction (one GEMM per T). A drop-in layer
+    of a model with separate Q, K, V projections then runs inference without concatenating its weights
+    on every call. Empty for graphs that save tensors for backward, backward graphs and CUDA builds.
+    """
+    if graph.config.target != "cpu" or graph.phase != "forward" \
+            or any(t.role == "saved" for t in graph.tensors.values()):
+        return ()
+    readers: dict[str, set[str]] = {}
+    for op in graph.operators():
+        for t, _ in graph.inputs_of(op).values():
+            readers.setdefault(t, set()).add(op.kind)
+    return tuple(t.name for t in graph.tensors.values()
+                 if t.role == "param" and t.layout[:1] == STACK_LETTER and readers.get(t.name) == {"contraction"})
+
+
 def gemm_groups(c_access: str, a_access: str, b_access: str, loop_stack: bool = False):
     """(batch, m, n, k) letters of ``C[c_access] = A[a_access] x B[b_access]`` in C's (k: A's) order;
     with ``loop_stack``, :data:`STACK_LETTER` leaves the row or column group for the batch (None when
@@ -179,13 +197,15 @@ def gemm_groups(c_access: str, a_access: str, b_access: str, loop_stack: bool = 
     return batch, m, n, k
 
 
-def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> ContractionPlan:
+def plan_contraction(a: Operand, b: Operand, c: Operand, label: str, loop_stack: bool = False) -> ContractionPlan:
     """Map ``c = einsum(a, b)`` onto a GEMM, swapping or transposing operands as the strides require;
-    where that fails and the stack letter T is a row or column letter, onto one GEMM per T
+    where that fails (or always, with ``loop_stack``: an operand given in parts, see
+    :func:`split_stack_params`) and the stack letter T is a row or column letter, onto one GEMM per T
     (:data:`STACK_LETTER`).
 
     Raises:
-        LayoutError: the operands' layouts need an explicit transpose first.
+        LayoutError: the operands' layouts need an explicit transpose first; ``loop_stack`` where T is
+            no row or column letter.
     """
     la, lb, lc = set(a.strides), set(b.strides), set(c.strides)
     batch, m, n, k = gemm_groups(c.access, a.access, b.access)
@@ -193,8 +213,11 @@ def plan_contraction(a: Operand, b: Operand, c: Operand, label: str) -> Contract
     if stray:
         raise LayoutError(f"{label}: indices {''.join(sorted(stray))} appear in only one operand")
     looped = gemm_groups(c.access, a.access, b.access, loop_stack=True)
+    if loop_stack and looped is None:
+        raise LayoutError(f"{label}: an operand in parts along {STACK_LETTER} needs {STACK_LETTER} as a row or "
+                          f"column letter with another")
     first = None
-    for groups in [(batch, m, n, k)] + ([looped] if looped else []):
+    for groups in ([] if loop_stack else [(batch, m, n, k)]) + ([looped] if looped else []):
         try:
             return _plan(a, b, c, label, *groups)
         except LayoutError as e:  # the first attempt's reason is the one to report

@@ -62,25 +62,44 @@ def _chosen_build(key: str, bf16_autocast: bool) -> CompiledLayer:
 
 
 def _cast_names(compiled: CompiledLayer, params: list) -> list[str]:
-    """The parameters (in :func:`parameter_names` order) whose dtype differs from the build's: float32
-    master weights of a half-precision build, cast inside the operator."""
+    """The parameters (in :func:`parameter_names` order; a parameter in parts: a tuple) whose dtype
+    differs from the build's: float32 master weights of a half-precision build, cast inside the operator."""
     dtypes = compiled.forward.dtypes
-    return [n for n, p in zip(parameter_names(compiled.config), params) if p.dtype != dtypes[n]]
+    return [n for n, p in zip(parameter_names(compiled.config), params)
+            if (p[0] if isinstance(p, tuple) else p).dtype != dtypes[n]]
+
+
+def _grouped(params: list[torch.Tensor], parts: list[int]) -> list:
+    """``params`` regrouped by ``parts`` (tensors per parameter): a tensor, or a tuple of its parts."""
+    out, i = [], 0
+    for n in parts:
+        out.append(params[i] if n == 1 else tuple(params[i:i + n]))
+        i += n
+    return out
+
+
+def _library_params(graph, names: list[str], params: list) -> dict:
+    """Parameters by name as ``graph`` takes them: parts kept where it takes them apart
+    (:attr:`~substation.runtime.CompiledGraph.split`), concatenated elsewhere."""
+    return {n: torch.cat(p) if isinstance(p, tuple) and n not in graph.split else p for n, p in zip(names, params)}
 
 
 @torch.library.custom_op("substation::layer_forward", mutates_args=())
 def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
                    params: list[torch.Tensor], seed: torch.Tensor, training: bool,
-                   forward_only: bool, bf16_autocast: bool) -> list[torch.Tensor]:
+                   forward_only: bool, bf16_autocast: bool, param_parts: list[int]) -> list[torch.Tensor]:
     compiled = _chosen_build(key, bf16_autocast)
     if forward_only:  # no gradient needed, no dropout: the inference build writes Y alone
         compiled = compiled.forward_only()
     b, j, _ = x.shape
     names = parameter_names(compiled.config)
+    params = _grouped(params, param_parts)  # parts (forward-only calls only): the Q, K, V weights apart
     # float32 master weights of a half-precision build: cast once per call, kept for backward
     cast_names = _cast_names(compiled, params)
-    casts = {n: p.to(compiled.forward.dtypes[n]) for n, p in zip(names, params) if n in cast_names}
-    given = {"X": x, **dict(zip(names, params)), **casts}
+    dtypes = compiled.forward.dtypes
+    casts = {n: tuple(q.to(dtypes[n]) for q in p) if isinstance(p, tuple) else p.to(dtypes[n])
+             for n, p in zip(names, params) if n in cast_names}
+    given = {"X": x, **_library_params(compiled.forward, names, [casts.get(n, p) for n, p in zip(names, params)])}
     real = None
     if compiled.config.mask != "none":
         m = key_mask(mask, attend_marks_true, b, j, _mask_dtype(compiled))
@@ -99,7 +118,8 @@ def _layer_forward(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], atte
 
 
 @_layer_forward.register_fake
-def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training, forward_only, bf16_autocast):
+def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training, forward_only, bf16_autocast,
+                        param_parts):
     compiled = _chosen_build(key, bf16_autocast)
     if forward_only:  # shapes without loading the inference build (no tensors may be made here)
         return [x.new_empty(x.shape, dtype=compiled.forward.dtypes["Y"])]
@@ -133,7 +153,7 @@ def _layer_backward_fake(key, dy, saved, seed, training):
 
 
 def _layer_setup_context(ctx, inputs, output):
-    key, x, _, _, params, seed, training, forward_only, bf16_autocast = inputs
+    key, x, _, _, params, seed, training, forward_only, bf16_autocast, _ = inputs
     ctx.forward_only = forward_only
     if forward_only:
         return
@@ -158,7 +178,7 @@ def _layer_grad(ctx, grads):
     if dy is None:
         dy = torch.zeros(x_shape, dtype=x_dtype, device=seed.device)
     dx, *dparams = _layer_backward(ctx.key, dy.contiguous().to(x_dtype), saved, seed, ctx.training)
-    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None, None, None
+    return None, dx, None, None, [g.view(s) for g, s in zip(dparams, param_shapes)], None, None, None, None, None
 
 
 torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_context=_layer_setup_context)
@@ -224,7 +244,10 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in :func:`parameter_names`
     order for its config, PyTorch's shapes) through the ``substation::layer_forward`` operator; differentiable in the
-    input and every parameter (the backward library runs in ``substation::layer_backward``).
+    input and every parameter (the backward library runs in ``substation::layer_backward``). A stacked
+    parameter may be given as a tuple of its parts along dim 0 (``in_proj_weight`` as the Q, K, V weights
+    [I, I] each, as a Hugging Face layer holds them): a call that needs no gradient hands them to the
+    inference library apart (no copy); any other call concatenates them (differentiably).
 
     ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, ``[B, 1, 1, K]``
     or ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys to attend with
@@ -274,7 +297,11 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     names = parameter_names(config)
     if len(params) != len(names):
         raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
-    for n, p in zip(names, params):
+    parts = [len(p) if isinstance(p, tuple) else 1 for p in params]
+    flat = [q for p in params for q in (p if isinstance(p, tuple) else (p,))]
+    for n, p in ((n, q) for n, p in zip(names, params) for q in (p if isinstance(p, tuple) else (p,))):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {n} must be a tensor (or a tuple of its parts), got {type(p).__name__}")
         if p.is_meta:
             raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
                              f"before running the layer")
@@ -297,13 +324,17 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     # torch.jit.trace records the choice as a constant and checks it under no_grad: a traced call
     # always runs the training build (correct with or without gradients).
     needs_grad = torch.jit.is_tracing() or (
-        torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+        torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in flat)))
+    forward_only = not needs_grad and not training
+    if not forward_only and max(parts, default=1) > 1:  # autograd sees one stacked parameter
+        flat = [torch.cat(p) if isinstance(p, tuple) else p for p in params]
+        parts = [1] * len(params)
     outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None,
-                             [p if p.is_contiguous() else p.contiguous() for p in params], seed, training,
-                             not needs_grad and not training, bf16_autocast)
+                             [p if p.is_contiguous() else p.contiguous() for p in flat], seed, training,
+                             forward_only, bf16_autocast, parts)
     # Under autocast the output is float32, as PyTorch's layer gives it (autocast runs layer norm in
     # float32): on the CPU always, on CUDA when the parameters are float32 masters.
-    if cast and (device_type == "cpu" or (params and all(p.dtype == torch.float32 for p in params))):
+    if cast and (device_type == "cpu" or (flat and all(p.dtype == torch.float32 for p in flat))):
         return outputs[0].float()
     return outputs[0].to(dtype)
 

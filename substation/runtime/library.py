@@ -15,7 +15,8 @@ import torch
 from ..backends.cpu.codegen import tensor_dtypes as cpu_tensor_dtypes
 from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
 from ..config import EncoderConfig
-from ..ir.graph import LayerGraph, TensorInfo, parameters
+from ..ir.graph import LayerGraph, TensorInfo, parameters, size_symbol
+from ..ir.operands import STACK_LETTER, split_stack_params
 
 __all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
            "keep_freed_memory", "parameter_names", "register_layer", "registered_layer"]
@@ -116,6 +117,10 @@ class CompiledGraph:
             self.lib.substation_op_names.restype = ctypes.c_char_p
             self.op_names = self.lib.substation_op_names().decode().split(",")
         self.produced = [t for t in self.args if t.role in ("output", "saved") and t.name in self._written()]
+        #: Parameters this library also takes in parts, a tuple of one tensor per T (the Q, K, V weights
+        #: apart: :func:`~substation.ir.operands.split_stack_params`); a stacked tensor works as well.
+        self.split = frozenset(split_stack_params(graph))
+        self._stack = int(size_symbol(STACK_LETTER))
 
     def op_seconds(self, reset: bool = True) -> dict[str, float]:
         """Seconds spent in each operator since the last reset (instrumented builds only).
@@ -134,6 +139,24 @@ class CompiledGraph:
         for op in self.graph.operators():
             names.update(t for t, _ in self.graph.outputs_of(op).values())
         return names
+
+    def _pieces(self, t: TensorInfo, value, numel: int) -> list:
+        """(tensor, element count it needs) of each piece of argument ``t``: the tensor, or its T parts."""
+        if not isinstance(value, (tuple, list)):
+            return [(value, numel)]
+        if t.name not in self.split or len(value) != self._stack:
+            raise ValueError(f"{self.graph.phase} library argument {t.name} given as {len(value)} parts; "
+                             + (f"it takes one tensor or {self._stack} parts (one per {STACK_LETTER})"
+                                if t.name in self.split else "it takes one tensor"))
+        return [(v, numel // self._stack) for v in value]
+
+    def _part_pointers(self, pieces: list) -> list[int]:
+        """Addresses of the T parts of a split argument given stacked or in parts."""
+        if len(pieces) > 1:
+            return [v.data_ptr() for v, _ in pieces]
+        v, n = pieces[0]
+        step = n // self._stack * v.element_size()
+        return [v.data_ptr() + k * step for k in range(self._stack)]
 
     def __call__(self, given: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
                  training: bool = False) -> dict[str, torch.Tensor]:
@@ -160,13 +183,14 @@ class CompiledGraph:
                  training: bool = False) -> None:
         """Run the graph on caller-owned tensors: ``tensors`` maps every argument name (inputs,
         parameters, saved tensors and the outputs it writes) to a contiguous tensor of :attr:`dtypes`
-        and the graph's shape at ``batch`` x ``seq``; nothing is allocated besides the workspace
-        (reused on the CPU). Benchmarks and the tuner time this call.
+        and the graph's shape at ``batch`` x ``seq`` (a parameter of :attr:`split`: that, or a tuple of
+        its T parts, each contiguous); nothing is allocated besides the workspace (reused on the CPU).
+        Benchmarks and the tuner time this call.
 
         Raises:
             KeyError: an argument is missing. TypeError: an argument of another dtype than
             :attr:`dtypes` says. ValueError: an argument of another size (element count), or not
-            contiguous.
+            contiguous; parts for an argument not in :attr:`split`, or not T of them.
             RuntimeError: the library failed."""
         numels = self._numels.get((batch, seq))
         if numels is None:
@@ -174,18 +198,23 @@ class CompiledGraph:
                 self._numels.clear()
             sizes = self.graph.config.sizes(batch, seq)
             numels = self._numels[batch, seq] = [math.prod(t.shape(sizes)) for t in self.args]
-        wrong = [f"{t.name} is {tensors[t.name].dtype}, not {self.dtypes[t.name]}" for t in self.args
-                 if tensors[t.name].dtype != self.dtypes[t.name]]
+        pieces = [self._pieces(t, tensors[t.name], n) for t, n in zip(self.args, numels)]
+        wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} is {v.dtype}, not {self.dtypes[t.name]}"
+                 for t, ps in zip(self.args, pieces) for k, (v, _) in enumerate(ps) if v.dtype != self.dtypes[t.name]]
         if wrong:
             raise TypeError(f"{self.graph.phase} library arguments of the wrong dtype: {'; '.join(wrong)}")
-        wrong = [f"{t.name} {tuple(v.shape)}{'' if v.is_contiguous() else ' non-contiguous'} (needs {n} elements)"
-                 for t, n in zip(self.args, numels) for v in (tensors[t.name],)
+        wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} {tuple(v.shape)}"
+                 f"{'' if v.is_contiguous() else ' non-contiguous'} (needs {n} elements)"
+                 for t, ps in zip(self.args, pieces) for k, (v, n) in enumerate(ps)
                  if v.numel() != n or not v.is_contiguous()]
         if wrong:
             raise ValueError(f"{self.graph.phase} library arguments at B={batch}, J={seq} must be contiguous "
                              f"tensors of their sizes: {'; '.join(wrong)}")
-        device = next(iter(tensors.values())).device
-        ptrs = (ctypes.c_void_p * len(self.args))(*(tensors[t.name].data_ptr() for t in self.args))
+        device = pieces[0][0][0].device
+        tables = {t.name: (ctypes.c_void_p * self._stack)(*self._part_pointers(ps))
+                  for t, ps in zip(self.args, pieces) if t.name in self.split}
+        ptrs = (ctypes.c_void_p * len(self.args))(*(ctypes.addressof(tables[t.name]) if t.name in tables
+                                                    else ps[0][0].data_ptr() for t, ps in zip(self.args, pieces)))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
         need = self._ws(dims)
         if self.device_type == "cuda":

@@ -13,16 +13,18 @@ The generated library exports::
                            uint64_t seed, int32_t training);
     const char* substation_signature();                                 // argument names, comma-separated
 
-``args`` holds one pointer per non-temporary tensor in :attr:`LayerGraph.tensors` order.
+``args`` holds one pointer per non-temporary tensor in :attr:`LayerGraph.tensors` order; for a
+parameter taken in parts (:func:`~substation.ir.operands.split_stack_params`: the Q, K, V weights of
+a forward-only library) it points to an array of T pointers, one per part. Contractions and the
+fused attention kernel are emitted by :mod:`substation.backends.cpu.contraction`.
 """
 from __future__ import annotations
 
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator
-from ...ir.operands import (BiasPlan, LayoutError, Operand, c_expr, dim_size, linear_index, plan_bias, plan_contraction,
-                            resolve_operand)
-from ...ops.contraction import EPILOGUE_BIAS, factors
+from ...ir.operands import Operand, dim_size, linear_index, resolve_operand, split_stack_params
 from ..common import stat_tensors, workspace_slots
 from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
+from .contraction import emit_attention, emit_contraction
 
 __all__ = ["generate_cpu", "tensor_dtypes"]
 
@@ -40,6 +42,7 @@ class _Emitter:
         self.T = _COMPUTE[self.cfg.dtype]
         self.dtypes = tensor_dtypes(graph)
         self.blas = "cblas_sgemm" if self.cfg.dtype == "float32" else "cblas_dgemm"
+        self.split = frozenset(split_stack_params(graph))  # parameters given as per-T pointer tables
         self.lines: list[str] = []
         self.indent = 1
 
@@ -85,134 +88,15 @@ class _Emitter:
         if timer is not None:
             self.w("const double t0_ = omp_get_wtime();")
         if op.kind == "contraction":
-            self._emit_contraction(op, self.operands(op), op.attrs)
+            emit_contraction(self, op, self.operands(op))
         elif op.kind == "attention":
-            self._emit_attention(op, self.operands(op), op.attrs)
+            emit_attention(self, op, self.operands(op))
         else:
             _RowKernel(self, build_row_kernel(self.graph, op)).emit()
         if timer is not None:
             self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
         self.w("}")
-
-    def _emit_contraction(self, op, ops, attrs):
-        out = ops.pop("y")
-        bias = ops.pop(EPILOGUE_BIAS, None)
-        a, b = factors(ops)
-        plan = plan_contraction(a, b, out, op.label)
-        alpha = attrs.get("alpha", 1.0)
-        if self.cfg.dtype == "bfloat16":
-            self._emit_matmul_bf16(plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label))
-            return
-        if bias is not None:
-            raise ValueError(f"contraction {op.label}: a bias epilogue needs the bf16 matmul (BLAS has none)")
-        call = (f"{self.blas}(CblasRowMajor, {'CblasTrans' if plan.trans_a else 'CblasNoTrans'}, "
-                f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {c_expr(plan.m)}, {c_expr(plan.n)}, "
-                f"{c_expr(plan.k)}, {alpha!r}, {plan.a.name} + {{oa}}, {c_expr(plan.lda)}, {plan.b.name} + {{ob}}, "
-                f"{c_expr(plan.ldb)}, 0.0, {plan.c.name} + {{oc}}, {c_expr(plan.ldc)});")
-        operand = {"a": plan.a, "b": plan.b, "c": out}
-        if not plan.batch:
-            self.w(call.format(**{f"o{w}": _element_offset(o, []) for w, o in operand.items()}))
-            return
-
-        def off(which, idx):
-            return _element_offset(operand[which], [(x, s[idx]) for x, *s in plan.batch])
-        nbatch = " * ".join(dim_size(x) for x, *_ in plan.batch)
-        inner = call.format(oa=off("a", 0), ob=off("b", 1), oc=off("c", 2))
-        letters = [x for x, *_ in plan.batch]
-        # Many small GEMMs: one per thread (BLAS runs single-threaded inside the parallel region).
-        self.w(f"if ({nbatch} >= omp_get_max_threads()) {{")
-        self.indent += 1
-        if self.T == "float":  # AVX-512: our own per-thread GEMM (ss::gemm_small) beats a BLAS call at this size
-            self.w("#if defined(__AVX512F__)")
-            self.w("#pragma omp parallel")
-            self.w("{")
-            self.indent += 1
-            self.w(f"std::vector<float> pack_(ss::gemm_small_pack_floats({c_expr(plan.n)}, {c_expr(plan.k)}));")
-            self.w(f"#pragma omp for collapse({len(letters)}) schedule(static)")
-            small = (f"ss::gemm_small({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
-                     f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {plan.a.name} + {off('a', 0)}, {c_expr(plan.lda)}, "
-                     f"{plan.b.name} + {off('b', 1)}, {c_expr(plan.ldb)}, {plan.c.name} + {off('c', 2)}, "
-                     f"{c_expr(plan.ldc)}, pack_.data());")
-            self.loops(letters, lambda: self.w(small), parallel=False)
-            self.indent -= 1
-            self.w("}")
-            self.w("#else")
-        self.loops(letters, lambda: self.w(inner), parallel=True, collapse_all=True)
-        if self.T == "float":
-            self.w("#endif")
-        self.indent -= 1
-        self.w("} else {")
-        self.indent += 1
-        self.loops(letters, lambda: self.w(inner), parallel=False)
-        self.indent -= 1
-        self.w("}")
-
-    def _emit_attention(self, op, ops: dict[str, Operand], attrs: dict) -> None:
-        """One ``ss::attention_forward`` call (substation_attention.h): per (B, H, query block) the scores
-        stay in a per-thread buffer. Q, K, V and Y need P contiguous, the mask K contiguous."""
-        rows_of = {"q": "J", "k": "K", "v": "K", "y": "J"}
-        for conn in rows_of:
-            if ops[conn].strides.get("P") != 1:
-                raise LayoutError(f"{op.label}: operand {conn} ({ops[conn].name}) needs P contiguous")
-        mask = ops.get("m")
-        if mask is not None and mask.strides.get("K") != 1:
-            raise LayoutError(f"{op.label}: the mask needs K contiguous")
-
-        def strides(o: Operand, rows: str) -> str:
-            return "{" + ", ".join(f"(int64_t)({c_expr(o.strides[c])})" for c in ("B", rows, "H")) + "}"
-
-        def pointer(o: Operand) -> str:
-            return o.name if o.base == 0 else f"{o.name} + {c_expr(o.base)}"
-        for conn, rows in rows_of.items():
-            self.w(f"const int64_t {conn}_s_[3] = {strides(ops[conn], rows)};")
-        m_ptr, m_b = (pointer(mask), f"(int64_t)({c_expr(mask.strides['B'])})") if mask is not None else ("nullptr", "0")
-        self.w(f"ss::attention_forward<T>(B, H, J, K, P, T({attrs['alpha']!r}), {pointer(ops['q'])}, q_s_, "
-               f"{pointer(ops['k'])}, k_s_, {pointer(ops['v'])}, v_s_, {m_ptr}, {m_b}, "
-               f"{str(bool(attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_);")
-
-    def _emit_matmul_bf16(self, plan, out: Operand, alpha: float, bias: BiasPlan | None) -> None:
-        """oneDNN matmul calls (``ss::matmul_bf16``, substation_dnnl.h): bf16 operands, float32
-        accumulation, the bias epilogue if any, the output's dtype (bf16, or float32 for parameter
-        gradients). Batch letters both factors run along go into one batched call; a letter one factor
-        lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
-        broadcast factor on its reference kernel (1000x slower)."""
-        inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
-        wide = [t.name for t in inputs if self.dtypes[t.name] != "bfloat16"]
-        if wide:  # the mixed-precision pass casts every contraction input
-            raise ValueError(f"contraction {out.name} reads {', '.join(wide)} in "
-                             f"{', '.join(self.dtypes[t] for t in wide)}; the bf16 matmul takes bfloat16 operands, bias")
-        bias_strides = bias.batch if bias is not None else [0] * len(plan.batch)
-        looped = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 in (b[1], b[2])]
-        batched = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 not in (b[1], b[2])]
-        if len(batched) > 3:
-            raise LayoutError(f"contraction {out.name}: {len(batched)} batch letters (the bf16 matmul takes 3)")
-
-        def pointer(o: Operand, strides: list) -> str:  # strides: o's along each looped letter
-            return f"{o.name} + {_element_offset(o, [(x, s) for ((x, *_), _), s in zip(looped, strides)])}"
-        batch = "ss::GemmBatch{}"
-        if batched:
-            lists = [[dim_size(x) for (x, *_), _ in batched]] + [[c_expr(s[i]) for (_, *s), _ in batched]
-                                                                 for i in range(3)]
-            batch = f"ss::GemmBatch{{{len(batched)}, " + ", ".join("{" + ", ".join(v) + "}" for v in lists) + "}"
-        epilogue = ""
-        if bias is not None:
-            strides = ", ".join(c_expr(s) for _, s in batched) or "0"
-            epilogue = (f", ss::GemmBias{{{pointer(bias.operand, [s for _, s in looped])}, "
-                        f"{c_expr(bias.m)}, {c_expr(bias.n)}, {{{strides}}}}}")
-        call = (f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
-                f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, [b[1] for b, _ in looped])}, "
-                f"{c_expr(plan.lda)}, {pointer(plan.b, [b[2] for b, _ in looped])}, {c_expr(plan.ldb)}, "
-                f"{pointer(out, [b[3] for b, _ in looped])}, {c_expr(plan.ldc)}, "
-                f"{str(self.dtypes[plan.c.name] == 'float32').lower()}, {batch}{epilogue}) != 0) return 1;")
-        self.loops([x for (x, *_), _ in looped], lambda: self.w(call), parallel=False)
-
-
-def _element_offset(o: Operand, loops: list) -> str:
-    """C expression of ``o``'s element offset in loops over (letter, o's stride) pairs, or ``0``."""
-    terms = ([c_expr(o.base)] if o.base != 0 else []) + [f"i_{x} * ({c_expr(s)})" for x, s in loops if s != 0]
-    return " + ".join(terms) or "0"
-
 
 #: Rows a float column reduction sums in float before adding into its double accumulator.
 COLUMN_BLOCK = 32
@@ -604,7 +488,8 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
         "                              uint64_t seed, int32_t training) {",
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)seed; (void)training;",
-        *(f"  {ctype[t.name]}* __restrict__ {t.name} = static_cast<{ctype[t.name]}*>(args[{i}]);"
+        *(f"  {ctype[t.name]}* const* {t.name}_parts_ = static_cast<{ctype[t.name]}* const*>(args[{i}]);"
+          if t.name in em.split else f"  {ctype[t.name]}* __restrict__ {t.name} = static_cast<{ctype[t.name]}*>(args[{i}]);"
           for i, t in enumerate(args)),
         "  char* ws_ = static_cast<char*>(workspace);",
         "  (void)ws_;",
