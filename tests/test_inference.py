@@ -206,7 +206,8 @@ def test_inference_build_takes_the_qkv_weight_in_parts(timed):
     the training build keeps one stacked argument."""
     from substation.ir.operands import split_stack_params
     train, inference = timed
-    assert inference.forward.split == {"in_proj_weight"} and split_stack_params(inference.forward.graph) == ("in_proj_weight",)
+    assert inference.forward.split == {"in_proj_weight"}
+    assert split_stack_params(inference.forward.graph) == ("in_proj_weight",)
     assert train.forward.split == frozenset() and split_stack_params(train.backward.graph) == ()
     source = inference.sources["forward"]
     assert source.count("in_proj_weight_parts_[i_T]") == 1 and "in_proj_weight_parts_ = " in source

@@ -15,7 +15,8 @@ import sympy
 from .graph import LayerGraph, access_letters, layout_strides
 
 __all__ = ["LayoutError", "Operand", "BiasPlan", "ContractionPlan", "STACK_LETTER", "c_expr", "dim_symbol", "dim_size",
-           "gemm_groups", "linear_index", "plan_bias", "plan_contraction", "resolve_operand", "split_stack_params", "stride_order"]
+           "gemm_groups", "linear_index", "plan_bias", "plan_contraction", "resolve_operand", "split_stack_params",
+           "stride_order"]
 
 
 class LayoutError(ValueError):

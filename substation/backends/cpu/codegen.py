@@ -489,7 +489,8 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)seed; (void)training;",
         *(f"  {ctype[t.name]}* const* {t.name}_parts_ = static_cast<{ctype[t.name]}* const*>(args[{i}]);"
-          if t.name in em.split else f"  {ctype[t.name]}* __restrict__ {t.name} = static_cast<{ctype[t.name]}*>(args[{i}]);"
+          if t.name in em.split
+          else f"  {ctype[t.name]}* __restrict__ {t.name} = static_cast<{ctype[t.name]}*>(args[{i}]);"
           for i, t in enumerate(args)),
         "  char* ws_ = static_cast<char*>(workspace);",
         "  (void)ws_;",
