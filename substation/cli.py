@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 
-from .files import OutputError, publish_dir, publish_files
+from .files import OutputError, check_output_dir, publish_dir, publish_files
 
 __all__ = ["main"]
 
@@ -119,6 +119,7 @@ def cmd_compile(args) -> int:
     if args.target or args.cuda_arch:
         config = config.replace(**{k: v for k, v in (("target", args.target), ("cuda_arch", args.cuda_arch)) if v})
     out = args.out or os.path.join("out", config.name)
+    check_output_dir(out)  # before the pipeline: a refused --out costs no compile
     names = Pipeline().names
     bar = tqdm(total=len(names), desc=f"compile {config.name}", unit="pass", file=sys.stderr)
 

@@ -46,9 +46,9 @@ class OutputError(ValueError):
     """An output path that Substation will not overwrite."""
 
 
-def publish_dir(build, out: str) -> None:
-    """Fill a fresh folder with ``build(tmpdir)`` and move it to ``out`` in one rename, replacing an
-    old ``out`` only once the new one is complete.
+def check_output_dir(out: str) -> str:
+    """``out`` as an absolute path, after checking that :func:`publish_dir` may replace it (callers ask
+    before long work, so a refused ``--out`` costs nothing).
 
     Raises:
         OutputError: ``out`` exists and is a file, or a non-empty folder that Substation did not write.
@@ -60,6 +60,17 @@ def publish_dir(build, out: str) -> None:
         if os.listdir(out) and not os.path.exists(os.path.join(out, OUTPUT_MARKER)):
             raise OutputError(f"refusing to replace {out}: a non-empty folder that substation did not write "
                               f"(no {OUTPUT_MARKER}); choose another --out")
+    return out
+
+
+def publish_dir(build, out: str) -> None:
+    """Fill a fresh folder with ``build(tmpdir)`` and move it to ``out`` in one rename, replacing an
+    old ``out`` only once the new one is complete.
+
+    Raises:
+        OutputError: as :func:`check_output_dir`.
+    """
+    out = check_output_dir(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)

@@ -42,11 +42,17 @@ def test_compile_checks_a_bfloat16_config_at_its_own_precision(tmp_path, capsys)
     assert 1e-4 < err < CHECK_TOLERANCE["bfloat16"]
 
 
-def test_outputs_never_replace_foreign_files(tmp_path, capsys):
+def test_outputs_never_replace_foreign_files(tmp_path, capsys, monkeypatch):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    assert main(["compile", "tiny", "--out", str(mine), "--repeats", "1"]) == 2
+    import substation.pipeline
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled before checking --out")
+    with monkeypatch.context() as m:  # the refusal comes before the pipeline runs
+        m.setattr(substation.pipeline, "compile_layer", no_compile)
+        assert main(["compile", "tiny", "--out", str(mine), "--repeats", "1"]) == 2
     assert "refusing to replace" in capsys.readouterr().err and os.listdir(mine) == ["notes.txt"]
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -576,8 +576,21 @@ def test_optimize_twice_and_a_layer_under_two_names():
     assert isinstance(shared.encoder.layer[1], SubstationLayer)
 
 
-def test_an_override_that_changes_the_math_is_refused():
+@pytest.mark.parametrize("override, text", [
+    ({"norm_type": "rms_norm"}, "norm_type='rms_norm' cannot override the model's layers"),
+    ({"ffn_size": 100}, "ffn_size=100 cannot override"), ({"hidden_size": 768}, "hidden_size=768 cannot override"),
+    ({"num_heads": 2}, "num_heads=2"), ({"layer_norm": "pre"}, "layer_norm='pre'"),
+    ({"activation": "relu"}, "activation='relu'"), ({"layer_norm_eps": 0.5}, "layer_norm_eps=0.5"),
+    ({"mask": "causal"}, "mask may be 'padding' or 'none'"),
+    ({"dtype": "float64"}, "the dtype follows the weights' dtype"),
+    ({"target": "cuda"}, r"the target follows the weights' device: move the model \(model.cuda\(\)\)"),
+])
+def test_an_override_of_what_the_model_defines_is_refused_at_the_call(override, text):
+    from substation.config import ConfigError
     model = BertModel(BertConfig(**TEXT))
-    with pytest.raises(ValueError, match="norm_type='rms_norm' cannot override a BERT layer"):
-        optimize(model, norm_type="rms_norm")
+    with pytest.raises(ConfigError, match=text):
+        optimize(model, **override)
     assert not any(isinstance(m, SubstationLayer) for m in model.modules())
+    from substation.interop import drop_in
+    with pytest.raises(ConfigError, match=f"drop_in\\(\\): {next(iter(override))}="):
+        drop_in(model.encoder.layer[0], **override)

@@ -11,11 +11,42 @@ import warnings
 
 from torch import nn
 
+from ..config import ConfigError
 from ..pipeline import cached_compile
 from .families import NotConvertible, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
 
-__all__ = ["OptimizeSummary", "drop_in", "layer_config", "optimize"]
+__all__ = ["DROP_IN_OVERRIDES", "OptimizeSummary", "drop_in", "layer_config", "optimize"]
+
+#: The :class:`~substation.EncoderConfig` fields a drop-in conversion may override, with the values
+#: allowed (None: any). Everything else (sizes, activation, eps, dropout, layer-norm placement,
+#: dtype, target) is the model's: its weights, modules and device define it, and another value would
+#: compute another function or fail at the first call.
+DROP_IN_OVERRIDES = {"batch_size": None, "max_seq_len": None, "name": None, "cuda_arch": None,
+                     "mask": ("padding", "none")}
+
+
+def _check_overrides(overrides: dict, what: str) -> None:
+    """Refuse, at the conversion, an override of a field the model defines (:data:`DROP_IN_OVERRIDES`).
+
+    Raises:
+        ConfigError: names the field and says where its value comes from.
+    """
+    for key, value in overrides.items():
+        allowed = DROP_IN_OVERRIDES.get(key, ())
+        if key in DROP_IN_OVERRIDES and (allowed is None or value in allowed):
+            continue
+        if key == "target":
+            hint = "the target follows the weights' device: move the model (model.cuda()) before converting it"
+        elif key == "dtype":
+            hint = "the dtype follows the weights' dtype: convert the model first (model.double(), ...), or run " \
+                   "bfloat16 under torch.autocast"
+        elif key in DROP_IN_OVERRIDES:
+            hint = f"{key} may be {' or '.join(map(repr, allowed))} (a Hugging Face encoder attends to every token)"
+        else:
+            hint = "the model's weights and modules define it (change the module, e.g. its dropout p, instead)"
+        raise ConfigError(f"{what}: {key}={value!r} cannot override the model's layers: {hint}; the fields "
+                          f"a conversion may set are {', '.join(sorted(DROP_IN_OVERRIDES))}")
 
 def drop_in(hf_layer: nn.Module, **config_overrides) -> nn.Module:
     """The drop-in replacement of one Hugging Face encoder layer (what :func:`optimize` puts in its
@@ -23,8 +54,10 @@ def drop_in(hf_layer: nn.Module, **config_overrides) -> nn.Module:
 
     Raises:
         ValueError (:class:`~substation.interop.families.NotConvertible`): a layer Substation cannot
-            convert. ConfigError: a bad override. ToolchainError, BuildError: compilation failed.
+            convert. ConfigError: a bad override, or one of a field the model defines (see :func:`optimize`).
+            ToolchainError, BuildError: compilation failed.
     """
+    _check_overrides(config_overrides, "drop_in()")
     family = family_of(hf_layer)
     config = layer_config(hf_layer, family, **config_overrides)
     return replace_with_drop_in(hf_layer, family, cached_compile(config), config_overrides)
@@ -93,7 +126,9 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
     Args:
         model: the model, modified in place.
         strict: raise instead of keeping layers that cannot be converted.
-        **config_overrides: :class:`~substation.EncoderConfig` fields applied to every layer's config.
+        **config_overrides: :class:`~substation.EncoderConfig` fields applied to every layer's config:
+            only those of :data:`DROP_IN_OVERRIDES` (nominal sizes, the name, the CUDA architecture,
+            ``mask: none``); the rest is the model's.
 
     Returns:
         ``model``.
@@ -101,11 +136,12 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
     Raises:
         ValueError: ``strict`` and some layer cannot be converted (all are listed; nothing is
             replaced), or ``model`` is itself a layer.
-        ConfigError: a bad override. RuntimeError: ``transformers`` older than 5.0. TypeError: not an ``nn.Module``.
+        ConfigError: a bad override, or one of a field the model defines. RuntimeError: ``transformers`` older than 5.0. TypeError: not an ``nn.Module``.
         ImportError: ``transformers`` is not installed. ToolchainError, BuildError: compilation failed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    _check_overrides(config_overrides, "optimize()")
     import transformers
 
     major = int(str(transformers.__version__).split(".")[0])

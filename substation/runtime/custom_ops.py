@@ -194,6 +194,8 @@ def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
 
 
 _WARNED: set = set()
+#: The seed of calls that draw no dropout (read, never written).
+_NO_SEED = torch.zeros(1, dtype=torch.int64)
 
 
 def _runs_bf16_autocast(compiled: CompiledLayer) -> bool:
@@ -281,8 +283,12 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     device_type = compiled.forward.device_type
     where = "the CPU" if device_type == "cpu" else "CUDA"
     if x.device.type != device_type:
-        raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}"
-                         + ("" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"))
+        if device_type == "cuda" and not torch.cuda.is_available():
+            hint = ("; this process has no CUDA device (torch.cuda.is_available() is False): compile for "
+                    "target cpu to run here")
+        else:
+            hint = "" if device_type == "cpu" else " (move the layer and its inputs with .cuda())"
+        raise ValueError(f"this layer was compiled for {where}; hidden_states is on {x.device}{hint}")
     cast = bf16_autocast or _autocast_casts(x.device.type, dtype)
     if x.dtype != dtype:
         if not (cast and x.dtype == torch.float32):
@@ -320,7 +326,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
             raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), got {mask.dtype} "
                             f"{tuple(mask.shape)}")
     training = training and any(v > 0 for v in config.dropout.probabilities())
-    seed = torch.randint(0, 2 ** 62, (1,)) if training else torch.zeros(1, dtype=torch.int64)
+    seed = torch.randint(0, 2 ** 62, (1,)) if training else _NO_SEED
     # torch.jit.trace records the choice as a constant and checks it under no_grad: a traced call
     # always runs the training build (correct with or without gradients).
     needs_grad = torch.jit.is_tracing() or (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -35,6 +36,7 @@ def graph_tensor_dtypes(graph: LayerGraph, target: str | None = None) -> dict[st
     return (cpu_tensor_dtypes if target == "cpu" else cuda_tensor_dtypes)(graph)
 
 
+@functools.lru_cache(maxsize=None)  # asked on every layer call
 def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
     """The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer;
     ``norm_type: rms_norm`` has no ``norm1_bias`` / ``norm2_bias``): :func:`substation.ir.graph.parameters`."""
