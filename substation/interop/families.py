@@ -240,15 +240,24 @@ class Family:
         except ImportError:
             return None
 
-    def tensors(self, layer: nn.Module) -> list:
+    def owners(self, layer: nn.Module) -> list[tuple]:
+        """For each of :data:`PARAMETER_NAMES`, the (module, attribute name) pairs that hold its parts
+        in ``layer``: valid while no submodule is replaced (the drop-in layer keeps them between calls
+        for as long as its fingerprint, which includes every submodule's identity, is unchanged)."""
+        out = []
+        for name in PARAMETER_NAMES:
+            out.append(tuple((_get(layer, owner), attr) for owner, _, attr in (p.rpartition(".") for p in self.paths[name])))
+        return out
+
+    def tensors(self, layer: nn.Module, owners: list | None = None) -> list:
         """The layer's current weights as Substation's parameters, in :data:`PARAMETER_NAMES` order and
         PyTorch's shapes; a stacked one (``in_proj_weight`` [3I, I], ``in_proj_bias`` [3I]) as the tuple
         of its Q, K, V parts, which :func:`~substation.runtime.run_layer` takes apart or concatenates (a
         missing Q/K/V bias is zeros [3I]). Read on every call, so replaced, loaded or edited parameters
-        are seen."""
+        are seen; ``owners`` (:meth:`owners` of ``layer``) saves looking the modules up."""
         out = []
-        for name in PARAMETER_NAMES:
-            parts = [_get(layer, p) for p in self.paths[name]]
+        for name, slots in zip(PARAMETER_NAMES, owners or self.owners(layer)):
+            parts = [m._parameters[a] if a in m._parameters else getattr(m, a) for m, a in slots]
             if len(parts) == 1:
                 out.append(parts[0])
             elif all(t is None for t in parts):  # bias=False projections (ViT's qkv_bias=False)

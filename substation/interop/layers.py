@@ -66,17 +66,26 @@ class SubstationLayer:
     substation_overrides: dict
 
     def _substation_fingerprint(self) -> tuple:
-        # what the full check below reads, cheaply: submodule classes, hooks, dropout p and eps
-        return tuple((type(m), len(m._forward_hooks), len(m._forward_pre_hooks), m.__dict__.get("p"),
-                      m.__dict__.get("eps"), m.training) for m in self.modules())
+        # what the full check below reads, cheaply: each submodule's identity and class, hooks, dropout p
+        # and eps (a walk of _modules: named_modules() costs several times more per call)
+        out, todo = [], [self]
+        while todo:
+            m = todo.pop()
+            d = m.__dict__
+            out.append((id(m), type(m), len(m._forward_hooks), len(m._forward_pre_hooks), d.get("p"), d.get("eps"),
+                        m.training))
+            todo.extend(c for c in m._modules.values() if c is not None)
+        return tuple(out)
 
     def _substation_sync(self) -> str | None:
         """:meth:`_substation_check` when the layer's submodules or settings changed since the last call
-        (its result is kept otherwise)."""
+        (its result is kept otherwise, with the modules that hold the parameters)."""
         fingerprint = self._substation_fingerprint()
         seen = self.__dict__.get("_substation_seen")
         if seen is None or seen[0] != fingerprint:
-            seen = self._substation_seen = (fingerprint, self._substation_check())
+            reason = self._substation_check()
+            seen = self._substation_seen = (fingerprint, reason,
+                                            None if reason else self.substation_family.owners(self))
         return seen[1]
 
     def _substation_check(self) -> str | None:
@@ -140,8 +149,9 @@ class SubstationLayer:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \
                 and not torch.compiler.is_compiling():
             attention_mask = attention_mask[:, :, :1, :]  # rows found equal above: the operator need not look again
-        return run_layer(self.substation_compiled, hidden_states, self.substation_family.tensors(self),
-                         self.training, attention_mask=attention_mask)
+        seen = None if torch.compiler.is_compiling() else self.__dict__.get("_substation_seen")
+        params = self.substation_family.tensors(self, seen[2] if seen else None)
+        return run_layer(self.substation_compiled, hidden_states, params, self.training, attention_mask=attention_mask)
 
     def _apply(self, fn, recurse=True):
         weight = next(self.parameters(), None)
