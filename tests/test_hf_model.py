@@ -562,6 +562,28 @@ def test_settings_changed_after_optimize_switch_the_build():
     assert ours.encoder.layer[1].substation_compiled.config.dropout.probabilities() == (0.0, 0.0, 0.0, 0.0)
 
 
+def test_weights_replaced_or_edited_after_optimize_are_read_at_the_next_call():
+    """Drop-in layers keep the modules holding their parameters between calls: a replaced submodule of
+    the same class, a new Parameter, an edit through .data and an in-place edit are all seen."""
+    plain, ours = plain_and_optimized("bert")
+    inputs = text_inputs(38)
+    i = plain.config.hidden_size
+    edits = [lambda m: setattr(m.encoder.layer[0].attention.self, "value", nn.Linear(i, i).double()),
+             lambda m: setattr(m.encoder.layer[1].output.dense, "bias", nn.Parameter(torch.randn(i).double())),
+             lambda m: m.encoder.layer[0].attention.self.query.weight.data.mul_(-0.5),
+             lambda m: m.encoder.layer[1].intermediate.dense.weight.mul_(2)]
+    for step, edit in enumerate(edits):
+        with torch.no_grad():
+            before = ours(**inputs).last_hidden_state
+            torch.manual_seed(step)
+            edit(plain)
+            torch.manual_seed(step)
+            edit(ours)
+            after, expected = ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state
+        mask = inputs.get("attention_mask")
+        assert real_rel(after, expected, mask) <= 1e-10 and real_rel(after, before, mask) > 1e-5, step
+
+
 def test_optimize_twice_and_a_layer_under_two_names():
     _, ours = plain_and_optimized("bert")
     with warnings.catch_warnings():
