@@ -161,6 +161,23 @@ def test_float32_weights_always_get_the_float32_build(fp32_layer):
         assert back.to(torch.bfloat16).to(torch.float32).compiled.config.dtype == "float32"
 
 
+def test_qkv_weight_parts_of_mixed_dtypes_under_autocast(fp32_layer):
+    """Q, K, V given apart under autocast, float32 or bf16 each in any order: every float32 part is cast,
+    and the output equals that of the stacked weight cast the same way."""
+    from substation.runtime import run_layer
+    names = fp32_layer.parameter_names
+    params = [getattr(fp32_layer, n).detach() for n in names]
+    i = fp32_layer.config.hidden_size
+    parts = [params[0][n * i:(n + 1) * i] for n in range(3)]
+    x, pad, _ = _inputs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = run_layer(fp32_layer.compiled, x, [params[0].bfloat16(), *params[1:]], False, key_padding_mask=pad)
+        for k in range(3):
+            mixed = tuple(p.bfloat16() if n == k else p for n, p in enumerate(parts))
+            y = run_layer(fp32_layer.compiled, x, [mixed, *params[1:]], False, key_padding_mask=pad)
+            assert torch.equal(y, expected), k
+
+
 def test_pure_bfloat16_layer_trains_and_runs_inference(fp32_layer):
     """``.to(torch.bfloat16)`` switches to the bf16 build: bf16 in, bf16 out, bf16 parameters whose
     gradients arrive in bf16; eval under inference_mode runs its inference build."""

@@ -254,3 +254,27 @@ def test_parts_of_the_wrong_count_dtype_or_size_are_named(timed):
             lib({**given, "in_proj_weight": value}, 1, 4)
     with pytest.raises(ValueError, match="out_proj_weight given as 3 parts; it takes one tensor"):
         lib({**given, "out_proj_weight": (w[:1], w[1:2], w[2:3])}, 1, 4)
+
+
+def test_run_layer_checks_every_parameter_and_part_shape(timed):
+    """Shapes are checked, not only element counts: a Q weight reshaped to [I/2, 2I] is refused (the
+    library alone would read it as [I, I]); parts only for the stacked parameters, T of them."""
+    from substation.runtime import run_layer
+    train, _ = timed
+    layer = EncoderLayer(train).eval()
+    names = layer.parameter_names
+    params = [getattr(layer, n).detach() for n in names]
+    i = train.config.hidden_size
+    w = params[0]
+    q, k, v = (w[n * i:(n + 1) * i] for n in range(3))
+    x = torch.randn(1, 4, i, dtype=torch.float64)
+    cases = [((q.reshape(i // 2, 2 * i), k, v), r"in_proj_weight part 0 has shape \(%d, %d\); this layer takes \[%d, %d\]"
+              % (i // 2, 2 * i, i, i)),
+             ((q.reshape(-1), k, v), "in_proj_weight part 0 has shape"),
+             ((), r"in_proj_weight given as 0 parts; it takes one tensor \[%d, %d\] or 3 parts" % (3 * i, i)),
+             (w.reshape(i, 3 * i), r"parameter in_proj_weight has shape \(%d, %d\)" % (i, 3 * i))]
+    for value, text in cases:
+        with torch.no_grad(), pytest.raises(ValueError, match=text):
+            run_layer(train, x, [value, *params[1:]], training=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="out_proj_weight given as 2 parts; it takes one tensor"):
+        run_layer(train, x, [w, params[1], (params[2][:1], params[2][1:]), *params[3:]], training=False)

@@ -11,7 +11,7 @@ import warnings
 
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ConfigError, EncoderConfig
 from ..pipeline import cached_compile
 from .families import NotConvertible, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
@@ -32,7 +32,11 @@ def _check_overrides(overrides: dict, what: str) -> None:
     Raises:
         ConfigError: names the field and says where its value comes from.
     """
+    fields = {f.name for f in dataclasses.fields(EncoderConfig)}
     for key, value in overrides.items():
+        if key not in fields:
+            raise ConfigError(f"{what}: {key!r} is not an EncoderConfig field; the fields a conversion may set are "
+                              f"{', '.join(sorted(DROP_IN_OVERRIDES))}")
         allowed = DROP_IN_OVERRIDES.get(key, ())
         if key in DROP_IN_OVERRIDES and (allowed is None or value in allowed):
             continue

@@ -77,6 +77,12 @@ def _get(layer: nn.Module, path: str) -> Any:
     return obj
 
 
+def _zero_bias(module: nn.Module) -> torch.Tensor:
+    """The bias a module without one adds: zeros [out features] (its weight's dim 0), like its weight."""
+    w = module.weight
+    return torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+
+
 def _linear(layer: nn.Module, path: str, i: int, o: int, what: str) -> nn.Linear:
     lin = _get(layer, path)
     if (lin.in_features, lin.out_features) != (i, o):
@@ -253,18 +259,14 @@ class Family:
         """The layer's current weights as Substation's parameters, in :data:`PARAMETER_NAMES` order and
         PyTorch's shapes; a stacked one (``in_proj_weight`` [3I, I], ``in_proj_bias`` [3I]) as the tuple
         of its Q, K, V parts, which :func:`~substation.runtime.run_layer` takes apart or concatenates (a
-        missing Q/K/V bias is zeros [3I]). Read on every call, so replaced, loaded or edited parameters
+        missing bias is zeros). Read on every call, so replaced, loaded or edited parameters
         are seen; ``owners`` (:meth:`owners` of ``layer``) saves looking the modules up."""
         out = []
         for name, slots in zip(PARAMETER_NAMES, owners or self.owners(layer)):
             parts = [m._parameters[a] if a in m._parameters else getattr(m, a) for m, a in slots]
-            if len(parts) == 1:
-                out.append(parts[0])
-            elif all(t is None for t in parts):  # bias=False projections (ViT's qkv_bias=False)
-                w = _get(layer, self.paths["in_proj_weight"][0])
-                out.append(torch.zeros(3 * w.shape[0], dtype=w.dtype, device=w.device))
-            else:
-                out.append(tuple(parts))
+            # a missing bias (bias=False, ViT's qkv_bias=False, bias set to None) adds nothing: zeros
+            parts = [_zero_bias(m) if t is None and a == "bias" else t for t, (m, a) in zip(parts, slots)]
+            out.append(parts[0] if len(parts) == 1 else tuple(parts))
         return out
 
 

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 
 from ..config import EncoderConfig
+from ..ir.graph import parameters, size_symbol
+from ..ir.operands import STACK_LETTER
 from ..passes.precision import boundary_dtype
 from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, registered_layer
 from .packing import pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
@@ -66,7 +68,7 @@ def _cast_names(compiled: CompiledLayer, params: list) -> list[str]:
     differs from the build's: float32 master weights of a half-precision build, cast inside the operator."""
     dtypes = compiled.forward.dtypes
     return [n for n, p in zip(parameter_names(compiled.config), params)
-            if (p[0] if isinstance(p, tuple) else p).dtype != dtypes[n]]
+            if any(q.dtype != dtypes[n] for q in (p if isinstance(p, tuple) else (p,)))]
 
 
 def _grouped(params: list[torch.Tensor], parts: list[int]) -> list:
@@ -213,6 +215,29 @@ def _runs_bf16_autocast(compiled: CompiledLayer) -> bool:
     return True
 
 
+def _pieces_with_shapes(compiled: CompiledLayer, params: list) -> list:
+    """(name, tensor, the shape it must have) of every parameter and part; a part is named
+    ``in_proj_weight part k``. Only a stacked parameter (``in_proj_*``) may come in parts, T of them.
+
+    Raises:
+        ValueError: a tuple for another parameter, or not T parts.
+    """
+    shapes, config = compiled.parameter_shapes, compiled.config
+    stack = int(size_symbol(STACK_LETTER))
+    out = []  # a list, not a generator: torch.compile traces this without a graph break
+    for n, p in zip(compiled.parameter_names, params):
+        if not isinstance(p, tuple):
+            out.append((n, p, shapes[n]))
+            continue
+        stacked = parameters(config)[n].startswith(STACK_LETTER)
+        if not stacked or len(p) != stack:
+            takes = f" or {stack} parts (Q, K, V)" if stacked else ""
+            raise ValueError(f"parameter {n} given as {len(p)} parts; it takes one tensor {list(shapes[n])}{takes}")
+        part = (shapes[n][0] // stack, *shapes[n][1:])
+        out += [(f"{n} part {k}", q, part) for k, q in enumerate(p)]
+    return out
+
+
 def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
                what: str) -> None:
     """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
@@ -300,12 +325,12 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     x = x.to(ALL_TORCH_DTYPES[boundary_dtype(DTYPE_NAMES[dtype], config.target)])
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
-    names = parameter_names(config)
+    names = compiled.parameter_names
     if len(params) != len(names):
         raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
     parts = [len(p) if isinstance(p, tuple) else 1 for p in params]
     flat = [q for p in params for q in (p if isinstance(p, tuple) else (p,))]
-    for n, p in ((n, q) for n, p in zip(names, params) for q in (p if isinstance(p, tuple) else (p,))):
+    for n, p, shape in _pieces_with_shapes(compiled, params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameter {n} must be a tensor (or a tuple of its parts), got {type(p).__name__}")
         if p.is_meta:
@@ -316,6 +341,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
                 or (device_type != "cpu" and p.device != x.device):
             raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
                             f"{dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
+        if tuple(p.shape) != shape:
+            raise ValueError(f"parameter {n} has shape {tuple(p.shape)}; this layer takes {list(shape)}")
     b, j, _ = x.shape
     if attention_mask is not None and key_padding_mask is not None:
         raise ValueError("pass either attention_mask or key_padding_mask, not both")

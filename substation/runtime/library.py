@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import math
 import os
+import re
 import threading
 from typing import Callable
 
@@ -20,7 +20,7 @@ from ..ir.graph import LayerGraph, TensorInfo, parameters, size_symbol
 from ..ir.operands import STACK_LETTER, split_stack_params
 
 __all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
-           "keep_freed_memory", "parameter_names", "register_layer", "registered_layer"]
+           "keep_freed_memory", "parameter_names", "parameter_shapes", "register_layer", "registered_layer"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: Every config dtype, including target cuda's float16 (TORCH_DTYPES: the CPU's).
@@ -36,11 +36,24 @@ def graph_tensor_dtypes(graph: LayerGraph, target: str | None = None) -> dict[st
     return (cpu_tensor_dtypes if target == "cpu" else cuda_tensor_dtypes)(graph)
 
 
-@functools.lru_cache(maxsize=None)  # asked on every layer call
 def parameter_names(config: EncoderConfig) -> tuple[str, ...]:
     """The layer's parameters in the order the operators take them (names of torch.nn.TransformerEncoderLayer;
     ``norm_type: rms_norm`` has no ``norm1_bias`` / ``norm2_bias``): :func:`substation.ir.graph.parameters`."""
     return tuple(parameters(config))
+
+
+def parameter_shapes(config: EncoderConfig) -> dict[str, tuple[int, ...]]:
+    """PyTorch's shape of each parameter (``in_proj_weight`` [3I, I], ``out_proj_weight`` [I, I],
+    ``linear1_weight`` [U, I], ...): the dims of :func:`substation.ir.graph.parameters` with the stack
+    letter T and the head letters H, P merged into PyTorch's dimensions."""
+    sizes = config.sizes()
+    out = {}
+    for name, dims in parameters(config).items():
+        shape = []
+        for group in re.findall(r"THP|HP|.", dims):
+            shape.append(math.prod([sizes[d] for d in group]))
+        out[name] = tuple(shape)
+    return out
 
 
 #: :func:`parameter_names` of a layer-norm layer (the default ``norm_type``).
@@ -277,6 +290,9 @@ class CompiledLayer:
 
     def __post_init__(self):
         self.key = register_layer(self)
+        #: :func:`parameter_names` and :func:`parameter_shapes` of the config, asked on every call.
+        self.parameter_names = parameter_names(self.config)
+        self.parameter_shapes = parameter_shapes(self.config)
 
     @property
     def mode(self) -> str:
