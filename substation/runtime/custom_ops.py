@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..config import EncoderConfig
-from ..ir.graph import parameters, size_symbol
+from ..ir.graph import size_symbol
 from ..ir.operands import STACK_LETTER
 from ..passes.precision import boundary_dtype
 from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, registered_layer
@@ -222,14 +222,14 @@ def _pieces_with_shapes(compiled: CompiledLayer, params: list) -> list:
     Raises:
         ValueError: a tuple for another parameter, or not T parts.
     """
-    shapes, config = compiled.parameter_shapes, compiled.config
+    shapes = compiled.parameter_shapes
     stack = int(size_symbol(STACK_LETTER))
     out = []  # a list, not a generator: torch.compile traces this without a graph break
     for n, p in zip(compiled.parameter_names, params):
         if not isinstance(p, tuple):
             out.append((n, p, shapes[n]))
             continue
-        stacked = parameters(config)[n].startswith(STACK_LETTER)
+        stacked = n in compiled.stacked_parameters
         if not stacked or len(p) != stack:
             takes = f" or {stack} parts (Q, K, V)" if stacked else ""
             raise ValueError(f"parameter {n} given as {len(p)} parts; it takes one tensor {list(shapes[n])}{takes}")

@@ -290,9 +290,12 @@ class CompiledLayer:
 
     def __post_init__(self):
         self.key = register_layer(self)
-        #: :func:`parameter_names` and :func:`parameter_shapes` of the config, asked on every call.
+        #: :func:`parameter_names` and :func:`parameter_shapes` of the config, asked on every call, and the
+        #: stacked parameters (along :data:`~substation.ir.operands.STACK_LETTER`: ``in_proj_*``).
         self.parameter_names = parameter_names(self.config)
         self.parameter_shapes = parameter_shapes(self.config)
+        self.stacked_parameters = frozenset(n for n, dims in parameters(self.config).items()
+                                            if dims.startswith(STACK_LETTER))
 
     @property
     def mode(self) -> str:
