@@ -52,7 +52,7 @@ static inline T attention_exponentials(T* s, T* e, int64_t K, const T* mask, boo
     for (int64_t i = query + 1; i < K; ++i) s[i] = -INFINITY;
   T mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < K; ++i) mx = std::max(mx, s[i]);
+  for (int64_t i = 0; i < K; ++i) mx = max_(mx, s[i]);
   if (mx == -INFINITY) mx = 0;
   T sum = 0;
   if constexpr (std::is_same<T, float>::value) {

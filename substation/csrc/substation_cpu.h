@@ -142,6 +142,11 @@ static inline T dropout(T x, uint32_t bits, uint32_t threshold, T scale) {
   return bits >= threshold ? x * scale : T(0);
 }
 
+// max as std::max(a, b) computes it ((a < b) ? b : a, a NaN b ignored), written so that GCC 12
+// vectorizes `omp simd reduction(max: ...)` loops over it (with std::max it emits a scalar vmaxss
+// chain: a 128-wide softmax row's maximum took longer than its exponentials).
+template <typename T> static inline T max_(T a, T b) { return b > a ? b : a; }
+
 // Elementary functions. float: branch-free approximations that GCC vectorizes inside
 // `#pragma omp simd` loops (scalar libm calls would not vectorize); double: libm.
 // exp: Cody-Waite range reduction and the Cephes expf polynomial (about 1 ulp); inputs below

@@ -120,7 +120,6 @@ class _RowKernel(RowEmitter):
 
     target = "cpu"
     NAMESPACE = "ss::"
-    FUNCTIONS = {"max_": "std::max"}
 
     def __init__(self, em: "_Emitter", model: RowKernelModel):
         super().__init__(model, em.T, "float" if em.cfg.dtype == "bfloat16" else "double")
