@@ -341,6 +341,10 @@ def test_every_onednn_call_runs_an_optimized_kernel():
     assert len(impls) == (3 + 2 + 3) + 12, impls  # forward: QKV per T, 2 attention products, 3 linear; backward: 12
     assert not [i for i in impls if i.startswith("ref")], impls
     assert sum(c[-2] == "14x16:16x16" for c in calls[:3]) == 3  # B*J x I times I x H*P, three times
+    # the per-head products (4-D shapes) read and write dense [B, J, H, P] blocks (QKV T-major, dQKV's
+    # T-major copy): oneDNN's brgemm, not the gemm:jit it runs on row stride 3 I
+    heads = [c for c in calls if c[-2].count("x") == 6]
+    assert len(heads) == 2 + 4 and all(c[4].startswith("brg") for c in heads), [(c[4], c[-2]) for c in heads]
 
 
 def test_biases_move_into_the_gemm_epilogues_where_that_saves_bytes():

@@ -204,6 +204,30 @@ def test_a_t_major_output_is_one_gemm_per_stack_entry_with_its_bias():
         plan_bias(plan, part, "qkv")
 
 
+def test_bf16_attention_gradients_write_a_t_major_copy_moved_once():
+    """The bf16 plan's write transpose of dQKV: the three attention products that each write one of
+    its Q, K, V slices write the T-major copy (dense [B, J, H, P] blocks, which oneDNN's brgemm takes),
+    one transpose after the last of them fills the token-major dQKV the QKV GEMMs read, and the
+    analysis counts that copy: dQKV read and written once at 2 bytes."""
+    from substation.perf.analysis import analyze
+    cfg = load_config("tiny").replace(dtype="bfloat16")
+    _, bwd = compile_graphs(cfg, fuse_ops=True)
+    order = [op.label for op in bwd.operators()]
+    writers = [op.label for op in bwd.operators() if any(t == "dQKV__TBJHP" for t, _ in bwd.outputs_of(op).values())]
+    assert sorted(writers) == ["context_dv", "scores_dk", "scores_dq"]
+    moves = [op for op in bwd.operators() if op.kind == "transpose"]
+    assert [(op.label, bwd.inputs_of(op)["x"][0], bwd.outputs_of(op)["y"][0]) for op in moves] == \
+        [("transpose_dQKV_TBJHP", "dQKV__TBJHP", "dQKV")]
+    assert order.index(moves[0].label) == max(order.index(w) for w in writers) + 1
+    assert bwd.tensors["dQKV__TBJHP"].layout == "TBJHP" and bwd.tensors["dQKV"].layout == "BJTHP"
+    readers = {op.label for op in bwd.operators() if any(t == "dQKV" for t, _ in bwd.inputs_of(op).values())}
+    assert readers == {"input_bias_grad", "qkv_dx", "qkv_dw"}
+    s = cfg.sizes()
+    elements = s["B"] * s["J"] * 3 * s["H"] * s["P"]
+    move = {o.name: o for o in analyze(cfg, optimized=True).select("backward")}["transpose_dQKV_TBJHP"]
+    assert (move.bytes_read, move.bytes_written, move.flop) == (2 * elements, 2 * elements, 0)
+
+
 def test_row_kernel_candidates_cover_permutations_and_vector_letters(tiny_graphs):
     problem = L.build_problem(*tiny_graphs)
     ov = problem.ops["forward/input_bias"]  # EW: any letter may be vectorized

@@ -35,8 +35,8 @@ class LayoutPlan:
         kernels: ``graph/label`` -> per-kernel options (``vector``: the innermost loop letter of a row
             kernel; ``gemm``: the GEMM mapping, informational).
         transposes: explicit transposes: dicts with ``graph``, ``tensor``, ``layout`` and
-            ``direction`` ``read`` (a copy for the operators in ``ops``) or ``write`` (the writer in
-            ``ops`` writes ``layout``, a transpose fills the stored tensor).
+            ``direction`` ``read`` (a copy for the operators in ``ops``) or ``write`` (the writers in
+            ``ops`` write ``layout``; one transpose after the last of them fills the stored tensor).
         meta: provenance and figures (config, sizes, dtype, objective/lower bound/default seconds, ...).
     """
 
@@ -200,6 +200,9 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
         for label in table:
             if label not in labels:
                 raise PlanError(f"plan names operator {phase}/{label}, which the {phase} graph does not have")
+    # A write copy is transposed into the stored tensor once, after the last of its writers (several
+    # writers may each fill a slice of it: the Q, K and V gradients of dQKV).
+    last_writer = {cname: op.label for op in graph.operators() for cname in writes.get(op.label, {}).values()}
     made: set[str] = set()
     for op in graph.operators():
         key = f"{phase}/{op.label}"
@@ -220,8 +223,9 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
             attrs["vector"] = kopts["vector"]
         b.op(op.label, op.kind, op.op_class, ins, outs, **attrs)
         for t, cname in rename_out.items():
-            l = copies[cname][1]
-            b.op(f"transpose_{t}_{l}", "transpose", "EW", {"x": cname}, {"y": t}, vector=l[-1])
+            if last_writer[cname] == op.label:
+                l = copies[cname][1]
+                b.op(f"transpose_{t}_{l}", "transpose", "EW", {"x": cname}, {"y": t}, vector=l[-1])
     return b.finish()
 
 
@@ -241,9 +245,14 @@ def _warn_if_tuned_elsewhere(plan: LayoutPlan, config) -> None:
 #: The plan of a bfloat16 CPU build given none: QKV stored T-major ([T, B, J, H, P]), so that Q, K and V
 #: are each a dense [B, J, H, P] tensor, whose per-head rows (stride I) oneDNN's brgemm matmul takes;
 #: per-head views of the token-major tensor (row stride 3 I) run its slower gemm:jit kernel
-#: (docs/toolchain.md). dQKV stays token-major: backward's QKV GEMMs read it as one [B J, 3 I] matrix.
+#: (docs/toolchain.md). dQKV stays token-major, since backward's QKV GEMMs read it as one [B J, 3 I]
+#: matrix, but the attention products that write its Q, K and V slices write a T-major copy, which one
+#: transpose after the last of them moves into place (the copy costs less than gemm:jit's slowdown).
 BF16_CPU_PLAN = LayoutPlan(tensors={"QKV": "TBJHP"},
-                           meta={"description": "bfloat16 CPU builds: Q, K, V as separate [B, J, H, P] blocks"})
+                           transposes=[{"graph": "backward", "tensor": "dQKV", "layout": "TBJHP", "direction": "write",
+                                        "ops": ["context_dv", "scores_dq", "scores_dk"]}],
+                           meta={"description": "bfloat16 CPU builds: Q, K, V (and in backward their gradients) "
+                                                "as separate [B, J, H, P] blocks"})
 
 
 def default_plan(config) -> LayoutPlan | None:
