@@ -26,8 +26,13 @@ def test_inference_graphs_fuse_attention_and_training_graphs_do_not():
     fused, _ = compile_graphs(TINY, fuse_ops=True, mode="eval")
     apart, _ = compile_graphs(TINY, fuse_ops=True, mode="eval", attention=False)
     assert _kinds(fused).count("attention") == 1 and _kinds(fused).count("contraction") == 4
-    assert len(_kinds(apart)) == len(_kinds(fused)) + 2  # scores, MS, context -> attention
-    assert {"S", "A"} <= set(apart.tensors) and not {"S", "S_masked", "A"} & set(fused.tensors)
+    assert len(_kinds(apart)) == len(_kinds(fused)) + 3  # QKV bias, scores, MS, context -> attention
+    assert {"S", "A", "QKV"} <= set(apart.tensors) and not {"S", "S_masked", "A", "QKV"} & set(fused.tensors)
+    attention = fused.find("attention")
+    assert {c: t for c, (t, _) in fused.inputs_of(attention).items()} == {
+        "q": "QKV_raw", "k": "QKV_raw", "v": "QKV_raw", "bq": "in_proj_bias", "bk": "in_proj_bias",
+        "bv": "in_proj_bias", "m": "mask"}
+    assert [fused.inputs_of(attention)[c][1] for c in ("bq", "bk", "bv")] == ["0HP", "1HP", "2HP"]
     assert find_attention(compile_graphs(TINY, mode="eval", attention=False)[0]) is not None
     train_fwd, train_bwd = compile_graphs(TINY, fuse_ops=True)
     assert "attention" not in _kinds(train_fwd) + _kinds(train_bwd)
@@ -43,11 +48,12 @@ def test_bytes_saved_are_the_scores_and_probabilities():
     apart, _ = compile_graphs(TINY, fuse_ops=True, mode="eval", attention=False)
     moved = {name: sum(c.bytes for c in count_graph(g, sizes)) for name, g in (("fused", fused), ("apart", apart))}
     scores = sizes["B"] * sizes["H"] * sizes["J"] * sizes["K"]
-    # S and A are each written once and read once by the unfused kernels
-    assert moved["apart"] - moved["fused"] == 4 * scores * TINY.itemsize
+    qkv = sizes["B"] * sizes["J"] * 3 * sizes["H"] * sizes["P"]
+    # S, A and the biased QKV are each written once and read once by the unfused kernels
+    assert moved["apart"] - moved["fused"] == (4 * scores + 2 * qkv) * TINY.itemsize
     chain = find_attention(compile_graphs(TINY, mode="eval", attention=False)[0])
     assert chain.bytes_saved(compile_graphs(TINY, mode="eval", attention=False)[0], sizes, TINY.itemsize) \
-        == 6 * scores * TINY.itemsize  # S, S_masked and A before the row kernels fuse mask and softmax
+        == (6 * scores + 2 * qkv) * TINY.itemsize  # S, S_masked, A (before mask and softmax fuse) and QKV
 
 
 def _workspace(compiled, b, j):
@@ -109,7 +115,8 @@ def test_bench_attention_cli(tmp_path, capsys):
         b, j = row["batch_size"], row["seq_len"]
         assert b == max(1, TINY.batch_size * TINY.max_seq_len // j)
         scores = b * TINY.num_heads * j * j * TINY.itemsize
-        assert row["bytes_saved"] == row["bytes"]["unfused"] - row["bytes"]["fused"] == 4 * scores
+        qkv = b * j * 3 * TINY.hidden_size * TINY.itemsize  # the biased QKV, written and read once
+        assert row["bytes_saved"] == row["bytes"]["unfused"] - row["bytes"]["fused"] == 4 * scores + 2 * qkv
         assert row["workspace_bytes"]["unfused"] - row["workspace_bytes"]["fused"] >= 2 * scores
         for key in ("attention_seconds", "layer_seconds"):
             assert all(len(v["samples"]) == 2 and v["median"] > 0 for v in row[key].values())

@@ -171,11 +171,12 @@ def test_analysis_of_the_inference_build(tmp_path):
     train = analyze("tiny", optimized=True)
     inference = analyze("tiny", optimized=True, mode="eval")
     assert inference.mode == "eval" and not inference.select("backward")
-    # the fused attention kernel (TC) also does the mask and softmax arithmetic: 6 per score, 1 per row
+    # the fused attention kernel (TC) also does the mask and softmax arithmetic (6 per score, 1 per row)
+    # and the Q, K, V bias adds (1 per element)
     sizes = inference.sizes
     scores = sizes["B"] * sizes["H"] * sizes["J"] * sizes["K"]
     assert inference.total("forward", "TC")["flop"] == train.total("forward", "TC")["flop"] + 6 * scores \
-        + sizes["B"] * sizes["H"] * sizes["J"]
+        + sizes["B"] * sizes["H"] * sizes["J"] + 3 * sizes["B"] * sizes["J"] * sizes["H"] * sizes["P"]
     # no dropout and nothing saved for backward: fewer bytes than the training forward
     assert inference.total("forward")["bytes"] < train.total("forward")["bytes"]
     out = tmp_path / "eval.json"

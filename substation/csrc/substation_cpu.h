@@ -293,16 +293,24 @@ static inline void gemm_small_rows(int64_t rows, int64_t k, const float* a, int6
   }
 }
 
-// The packing half of gemm_small: op(B) [k x n] into 32-column panels (a packed B serves many A's).
+// The packing half of gemm_small: op(B) [k x n] into 32-column panels (a packed B serves many A's),
+// plus `add` (or nothing) along B's stored rows: op(B)[p, j] + add[p] with trans_b, + add[j] without.
 static inline void gemm_small_pack(bool trans_b, int64_t n, int64_t k, const float* b, int64_t ldb,
-                                   float* __restrict__ pack) {
+                                   float* __restrict__ pack, const float* add = nullptr) {
   const int64_t panels = (n + 31) / 32;
   for (int64_t jp = 0; jp < panels; ++jp) {
     const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
     for (int64_t p = 0; p < k; ++p) {
       float* row = pack + 32 * (jp * k + p);
-      if (trans_b) for (int64_t j = 0; j < w; ++j) row[j] = b[(j0 + j) * ldb + p];
-      else std::memcpy(row, b + p * ldb + j0, sizeof(float) * (size_t)w);
+      if (trans_b) {
+        const float a = add ? add[p] : 0.0f;
+        for (int64_t j = 0; j < w; ++j) row[j] = b[(j0 + j) * ldb + p] + a;
+      } else if (add) {
+#pragma omp simd
+        for (int64_t j = 0; j < w; ++j) row[j] = b[p * ldb + j0 + j] + add[j0 + j];
+      } else {
+        std::memcpy(row, b + p * ldb + j0, sizeof(float) * (size_t)w);
+      }
       for (int64_t j = w; j < 32; ++j) row[j] = 0.0f;
     }
   }

@@ -5,7 +5,9 @@ never reach memory.
 The rewrite applies where the graph allows it (the chain's intermediates are temporaries read by the
 chain alone, the operands carry the letters B, J/K, H, P) and it saves bytes: the unfused chain writes
 and reads the scores, the masked scores and the probabilities, 2 x (2 or 3) x B H J K elements, which
-the fused kernel keeps in a cache-sized block per thread. It is for builds without backward (the
+the fused kernel keeps in a cache-sized block per thread. Where Q, K and V come from a bias add that
+only the chain reads (a float GEMM has no bias epilogue), the kernel adds the bias as it loads them
+(``bq``, ``bk``, ``bv``), and the biased QKV, 2 x B J 3 H P more elements, never reaches memory either. It is for builds without backward (the
 probabilities are not kept) whose contractions run on float or double GEMMs; bfloat16 builds keep
 their attention products on oneDNN's AMX / AVX512-BF16 matmul.
 """
@@ -23,12 +25,15 @@ class AttentionChain:
 
     Attributes:
         scores, mask, softmax, context: the operators (``mask`` None without a mask).
-        intermediates: the temporaries that disappear (``S``, ``S_masked``, ``A``).
+        intermediates: the temporaries that disappear (``S``, ``S_masked``, ``A``, and the biased
+            ``QKV`` when ``bias`` is set).
+        bias: the ``bias`` operator whose output Q, K and V are and that only the chain reads, or None.
     """
 
-    def __init__(self, scores, mask, softmax, context, intermediates):
+    def __init__(self, scores, mask, softmax, context, intermediates, bias=None):
         self.scores, self.mask, self.softmax, self.context = scores, mask, softmax, context
         self.intermediates = intermediates
+        self.bias = bias
 
     def bytes_saved(self, graph: LayerGraph, sizes: dict[str, int], itemsize: int) -> int:
         """Bytes the fused kernel does not move at ``sizes``: each intermediate written once and read once.
@@ -85,13 +90,41 @@ def find_attention(graph: LayerGraph) -> AttentionChain | None:
                     ("y", graph.outputs_of(context)["y"]), ("s", (s_name, s_acc)))}
         if (letters["q"], letters["k"], letters["v"], letters["y"], letters["s"]) != (_Q, _KV, _KV, _Y, _SCORES):
             continue
-        return AttentionChain(scores, mask, softmax, context, chain + [a_name])
+        sources = {ins["q"][0], ins["k"][0], graph.inputs_of(context)["v"][0]}
+        bias = _input_bias(graph, sources, readers, {scores.label, context.label})
+        return AttentionChain(scores, mask, softmax, context, chain + [a_name] + sorted(sources if bias else ()), bias)
     return None
+
+
+def _input_bias(graph: LayerGraph, sources: set[str], readers: dict, chain_labels: set[str]):
+    """The ``bias`` operator that writes the one tensor Q, K and V are read from, when only the chain's
+    products read that tensor and it is a temporary; else None."""
+    if len(sources) != 1:
+        return None
+    (qkv,), ops = sources, graph.operators()
+    writer = next((op for op in ops if any(t == qkv for t, _ in graph.outputs_of(op).values())), None)
+    if writer is None or writer.kind != "bias" or graph.tensors[qkv].role != "temp":
+        return None
+    if {op.label for op in readers.get(qkv, [])} != chain_labels:
+        return None
+    return writer
+
+
+def _through_bias(bias_op, graph: LayerGraph, access: str) -> tuple[str, str, str]:
+    """(input tensor, its access, bias access) that a read of ``bias_op``'s output at ``access`` becomes:
+    the output's letters renamed as ``access`` renames them (``BJTHP`` read as ``BK1HP``: J -> K,
+    T -> 1)."""
+    (_, out_access), = graph.outputs_of(bias_op).values()
+    rename = dict(zip(out_access, access))
+    x, x_access = graph.inputs_of(bias_op)["x"]
+    b, b_access = graph.inputs_of(bias_op)["b"]
+    return x, "".join(rename[c] for c in x_access), "".join(rename[c] for c in b_access)
 
 
 def fuse_attention(graph: LayerGraph) -> LayerGraph:
     """``graph`` with its attention chain (:func:`find_attention`) replaced by one ``attention``
-    operator named ``attention``; the graph itself when it has no such chain (or fusing saves nothing).
+    operator named ``attention`` (with the bias add of Q, K and V, where the chain has one); the graph
+    itself when it has no such chain (or fusing saves nothing).
 
     Args:
         graph: an unfused forward graph (the layout pass has not run: tensors have their logical
@@ -103,7 +136,8 @@ def fuse_attention(graph: LayerGraph) -> LayerGraph:
     chain = find_attention(graph)
     if chain is None or chain.bytes_saved(graph, graph.config.sizes(), graph.config.itemsize) <= 0:
         return graph
-    dropped = {chain.scores.label, chain.softmax.label} | ({chain.mask.label} if chain.mask is not None else set())
+    dropped = {chain.scores.label, chain.softmax.label} | ({chain.mask.label} if chain.mask is not None else set()) \
+        | ({chain.bias.label} if chain.bias is not None else set())
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
     for name, info in graph.tensors.items():
         if name not in chain.intermediates:
@@ -114,6 +148,10 @@ def fuse_attention(graph: LayerGraph) -> LayerGraph:
         if op is chain.context:
             ins = {"q": graph.inputs_of(chain.scores)["q"], "k": graph.inputs_of(chain.scores)["k"],
                    "v": graph.inputs_of(op)["v"]}
+            if chain.bias is not None:
+                for c in ("q", "k", "v"):
+                    x, x_access, b_access = _through_bias(chain.bias, graph, ins[c][1])
+                    ins[c], ins[f"b{c}"] = (x, x_access), (graph.inputs_of(chain.bias)["b"][0], b_access)
             attrs = {"alpha": chain.scores.attrs.get("alpha", 1.0), "causal": False}
             if chain.mask is not None:
                 ins["m"] = graph.inputs_of(chain.mask)["m"]

@@ -2,8 +2,9 @@
 
 For each sequence length L, :func:`run_bench_attention` builds the config's forward-only library twice
 (instrumented, float32 or float64 as the config says): with the ``attention`` kernel
-(:mod:`substation.passes.attention`) and with the chain scores, mask + softmax (MS) and context kept
-apart (``PipelineOptions.attention=False``), and times both in interleaved rounds in one process. It
+(:mod:`substation.passes.attention`) and with the chain (Q/K/V bias where the kernel takes it, scores,
+mask + softmax (MS), context) kept apart (``PipelineOptions.attention=False``), and times both in
+interleaved rounds in one process. It
 reports per L: the bytes the attention operators move (the analysis' counts), the workspace each
 library needs, the attention operators' time (per-operator timers) and the whole layer's forward time,
 medians, and the ratios unfused / fused.
@@ -90,7 +91,7 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
     for compiled in builds.values():
         set_substation_threads(compiled, machine["threads"])
     # The chain: the fused build's attention operator; in the other build, the operators that write or
-    # read the tensors the fusion removed (scores, probabilities).
+    # read the tensors the fusion removed (biased QKV, scores, probabilities).
     fused_graph, unfused_graph = builds["fused"].forward.graph, builds["unfused"].forward.graph
     removed = set(unfused_graph.tensors) - set(fused_graph.tensors)
     labels = {"fused": {op.label for op in fused_graph.operators() if op.kind == "attention"},

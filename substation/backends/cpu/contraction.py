@@ -91,13 +91,15 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
 
 def emit_attention(em, op, ops: dict[str, Operand]) -> None:
     """One ``ss::attention_forward`` call (substation_attention.h): per (B, H, query block) the scores
-    stay in a per-thread buffer. Q, K, V and Y need P contiguous, the mask K contiguous.
+    stay in a per-thread buffer. Q, K, V, Y and the biases of Q, K, V (if any) need P contiguous, the
+    mask K contiguous.
 
     Raises:
         LayoutError: an operand without unit stride along P, a mask without unit stride along K.
     """
     rows_of = {"q": "J", "k": "K", "v": "K", "y": "J"}
-    for conn in rows_of:
+    biases = [c for c in ("bq", "bk", "bv") if c in ops]
+    for conn in [*rows_of, *biases]:
         if ops[conn].strides.get("P") != 1:
             raise LayoutError(f"{op.label}: operand {conn} ({ops[conn].name}) needs P contiguous")
     mask = ops.get("m")
@@ -112,9 +114,16 @@ def emit_attention(em, op, ops: dict[str, Operand]) -> None:
     for conn, rows in rows_of.items():
         em.w(f"const int64_t {conn}_s_[3] = {strides(ops[conn], rows)};")
     m_ptr, m_b = (pointer(mask), f"(int64_t)({c_expr(mask.strides['B'])})") if mask is not None else ("nullptr", "0")
+    if biases:
+        if len(biases) != 3 or len({c_expr(ops[c].strides["H"]) for c in biases}) != 1:
+            raise LayoutError(f"{op.label}: the Q, K, V biases need one stride along H")
+        bias = "ss::AttentionBias<T>{" + ", ".join(pointer(ops[c]) for c in biases) + \
+            f", (int64_t)({c_expr(ops['bq'].strides['H'])})}}"
+    else:
+        bias = "ss::AttentionBias<T>{}"
     em.w(f"ss::attention_forward<T>(B, H, J, K, P, T({op.attrs['alpha']!r}), {pointer(ops['q'])}, q_s_, "
          f"{pointer(ops['k'])}, k_s_, {pointer(ops['v'])}, v_s_, {m_ptr}, {m_b}, "
-         f"{str(bool(op.attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_);")
+         f"{str(bool(op.attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_, {bias});")
 
 
 def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | None) -> None:
