@@ -293,19 +293,58 @@ static inline void gemm_small_rows(int64_t rows, int64_t k, const float* a, int6
   }
 }
 
+// A 16 x 16 float transpose in registers: row i in r[i], column i out in r[i].
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
 // The packing half of gemm_small: op(B) [k x n] into 32-column panels (a packed B serves many A's),
 // plus `add` (or nothing) along B's stored rows: op(B)[p, j] + add[p] with trans_b, + add[j] without.
+// With trans_b (the keys of attention's scores: rows of b are columns of op(B)) 16 x 16 blocks are
+// transposed in registers; a scalar transpose read the strided rows several times slower.
 static inline void gemm_small_pack(bool trans_b, int64_t n, int64_t k, const float* b, int64_t ldb,
                                    float* __restrict__ pack, const float* add = nullptr) {
   const int64_t panels = (n + 31) / 32;
   for (int64_t jp = 0; jp < panels; ++jp) {
     const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
+    if (trans_b) {
+      for (int64_t half = 0; half < 32; half += 16)
+        for (int64_t p0 = 0; p0 < k; p0 += 16) {
+          const int64_t cols = std::min<int64_t>(16, k - p0);
+          const __mmask16 live = (__mmask16)(cols == 16 ? 0xFFFFu : (1u << cols) - 1);
+          const __m512 shift = add ? _mm512_maskz_loadu_ps(live, add + p0) : _mm512_setzero_ps();
+          __m512 r[16];
+          for (int64_t j = 0; j < 16; ++j)
+            r[j] = half + j < w ? _mm512_add_ps(_mm512_maskz_loadu_ps(live, b + (j0 + half + j) * ldb + p0), shift)
+                                : _mm512_setzero_ps();
+          transpose16(r);
+          for (int64_t p = 0; p < cols; ++p) _mm512_storeu_ps(pack + 32 * (jp * k + p0 + p) + half, r[p]);
+        }
+      continue;
+    }
     for (int64_t p = 0; p < k; ++p) {
       float* row = pack + 32 * (jp * k + p);
-      if (trans_b) {
-        const float a = add ? add[p] : 0.0f;
-        for (int64_t j = 0; j < w; ++j) row[j] = b[(j0 + j) * ldb + p] + a;
-      } else if (add) {
+      if (add) {
 #pragma omp simd
         for (int64_t j = 0; j < w; ++j) row[j] = b[p * ldb + j0 + j] + add[j0 + j];
       } else {
