@@ -17,6 +17,8 @@ from substation.config import load_config
 from substation.passes import layout as L
 from substation.pipeline import compile_graphs, compile_layer
 
+TINY = load_config("tiny")
+
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
@@ -226,6 +228,44 @@ def test_bf16_attention_gradients_write_a_t_major_copy_moved_once():
     elements = s["B"] * s["J"] * 3 * s["H"] * s["P"]
     move = {o.name: o for o in analyze(cfg, optimized=True).select("backward")}["transpose_dQKV_TBJHP"]
     assert (move.bytes_read, move.bytes_written, move.flop) == (2 * elements, 2 * elements, 0)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"ops": ["scores_dq"]}, r"must name all of its writers \(context_dv, scores_dk, scores_dq\); "
+                             r"missing: context_dv, scores_dk, not writers of dQKV: -"),
+    ({"ops": ["backward/scores_dq", "scores_dk", "BDS"]}, r"missing: context_dv, not writers of dQKV: BDS"),
+    ({"ops": ["forward/scores_dq"]}, r"names operators of another graph: forward/scores_dq"),
+    ({"ops": []}, r"'ops' must be a non-empty list"),
+    ({"ops": "scores_dq"}, r"'ops' must be a non-empty list of operator labels, got 'scores_dq'"),
+    ({"graph": "middle"}, r"graph 'middle' is neither 'forward' nor 'backward'"),
+    ({"layout": list("TBJHP")}, r"tensor and layout must be strings"),
+])
+def test_malformed_write_transposes_are_refused(entry, message):
+    """A write copy replaces the tensor for its writers, and the transpose after the last of them
+    overwrites all of it: a plan naming only some writers (or other operators) would drop what the
+    others wrote (wrong gradients, no error), so it is refused, as are entries of unknown graphs and
+    malformed fields."""
+    good = {"graph": "backward", "tensor": "dQKV", "layout": "TBJHP", "direction": "write",
+            "ops": ["context_dv", "scores_dq", "scores_dk"]}
+    plan = {"format": L.PLAN_FORMAT, "transposes": [{**good, **entry}]}
+    with pytest.raises(L.PlanError, match=message):
+        compile_graphs(TINY, fuse_ops=True, layout=L.LayoutPlan.from_dict(plan))
+    split = {"format": L.PLAN_FORMAT, "transposes": [{**good, "ops": ["scores_dq", "scores_dk"]},
+                                                     {**good, "layout": "BTHJP", "ops": ["context_dv"]}]}
+    with pytest.raises(L.PlanError, match=r"must name all of its writers"):
+        compile_graphs(TINY, fuse_ops=True, layout=L.LayoutPlan.from_dict(split))
+    compile_graphs(TINY, fuse_ops=True, layout=L.LayoutPlan.from_dict({"format": L.PLAN_FORMAT, "transposes": [good]}))
+
+
+@pytest.mark.parametrize("key, vector, message", [
+    ("backward/softmax_grad", "J", r"vector letter 'J'; it can vectorize K"),
+    ("forward/softmax", "Z", r"vector letter 'Z'; it can vectorize K"),
+    ("forward/qkv", "B", r"forward/qkv \(a GEMM\) a 'vector' option"),
+])
+def test_impossible_vector_letters_are_refused(key, vector, message):
+    plan = L.LayoutPlan.from_dict({"format": L.PLAN_FORMAT, "kernels": {key: {"vector": vector}}})
+    with pytest.raises(L.PlanError, match=message):
+        compile_graphs(TINY, layout=plan)
 
 
 def test_row_kernel_candidates_cover_permutations_and_vector_letters(tiny_graphs):

@@ -7,9 +7,9 @@ chain alone, the operands carry the letters B, J/K, H, P) and it saves bytes: th
 and reads the scores, the masked scores and the probabilities, 2 x (2 or 3) x B H J K elements, which
 the fused kernel keeps in a cache-sized block per thread. Where Q, K and V come from a bias add that
 only the chain reads (a float GEMM has no bias epilogue), the kernel adds the bias as it loads them
-(``bq``, ``bk``, ``bv``), and the biased QKV, 2 x B J 3 H P more elements, never reaches memory either. It is for builds without backward (the
-probabilities are not kept) whose contractions run on float or double GEMMs; bfloat16 builds keep
-their attention products on oneDNN's AMX / AVX512-BF16 matmul.
+(``bq``, ``bk``, ``bv``), and the biased QKV, 2 x B J 3 H P more elements, never reaches memory either.
+It is for builds without backward (the probabilities are not kept) whose contractions run on float or
+double GEMMs; bfloat16 builds keep their attention products on oneDNN's AMX / AVX512-BF16 matmul.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from ...files import atomic_write_text
 from ...ir.graph import GraphBuilder, LayerGraph
 from ...ir.operands import plan_bias, plan_contraction, resolve_operand
 from ...ops.contraction import EPILOGUE_BIAS, factors
+from ...ops.kind import op_space
 from ..precision import applies_to as mixed_precision
 from ...resources import bundled_file
 from .problem import LayoutProblem
@@ -87,10 +88,24 @@ class LayoutPlan:
         if not isinstance(transposes, list):
             raise PlanError("plan 'transposes' must be a list")
         for tr in transposes:
-            missing = {"graph", "tensor", "layout", "direction", "ops"} - set(tr)
+            missing = {"graph", "tensor", "layout", "direction", "ops"} - set(tr) if isinstance(tr, Mapping) else {1}
             if missing or tr["direction"] not in ("read", "write"):
                 raise PlanError(f"malformed transpose entry {tr!r} (needs graph, tensor, layout, "
                                 f"direction read|write, ops)")
+            if tr["graph"] not in ("forward", "backward"):
+                raise PlanError(f"transpose entry of {tr['tensor']!r}: graph {tr['graph']!r} is neither "
+                                f"'forward' nor 'backward'")
+            if not isinstance(tr["layout"], str) or not isinstance(tr["tensor"], str):
+                raise PlanError(f"transpose entry {tr!r}: tensor and layout must be strings (layout: "
+                                f"letters outermost first, e.g. \"TBJHP\")")
+            ops = tr["ops"]
+            if not isinstance(ops, list) or not ops or not all(isinstance(o, str) for o in ops):
+                raise PlanError(f"transpose entry of {tr['tensor']!r}: 'ops' must be a non-empty list of "
+                                f"operator labels, got {ops!r}")
+            wrong = [o for o in ops if "/" in o and o.split("/", 1)[0] != tr["graph"]]
+            if wrong:
+                raise PlanError(f"transpose entry of {tr['tensor']!r} in the {tr['graph']} graph names "
+                                f"operators of another graph: {', '.join(wrong)}")
         meta = {k: v for k, v in d.items() if k not in ("format", "tensors", "kernels", "transposes")}
         return cls(dict(tensors), {k: dict(v) for k, v in kernels.items()}, [dict(t) for t in transposes], meta)
 
@@ -171,6 +186,20 @@ def rename_member_tensors(records: list, rename: Mapping[str, str]) -> list:
     return out
 
 
+def _check_vector(graph: LayerGraph, op, vector, key: str) -> None:
+    """Raises PlanError unless ``vector`` is a letter the row kernel ``op`` may loop over innermost: one
+    of its letters, and of those its reduction keeps inner where it has one."""
+    if op.kind in ("contraction", "attention"):
+        raise PlanError(f"plan gives kernel {key} (a GEMM) a 'vector' option; only row kernels take one")
+    members = op.attrs["ops"] if op.kind == "fused" else [
+        {"kind": op.kind, "inputs": graph.inputs_of(op), "outputs": graph.outputs_of(op), "attrs": op.attrs}]
+    spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
+    allowed = next((n for _, n in spaces if n is not None), spaces[0][0])
+    if not isinstance(vector, str) or vector not in allowed:
+        raise PlanError(f"plan gives kernel {key} vector letter {vector!r}; it can vectorize "
+                        f"{', '.join(sorted(allowed))}")
+
+
 def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
     phase = graph.phase
     layouts = {n: plan.tensors.get(n, info.layout) for n, info in graph.tensors.items()}
@@ -200,6 +229,15 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
         for label in table:
             if label not in labels:
                 raise PlanError(f"plan names operator {phase}/{label}, which the {phase} graph does not have")
+    for cname, (t, _) in copies.items():  # a write copy replaces the tensor for every one of its writers
+        named = {label for label, table in writes.items() if table.get(t) == cname}
+        if not named:
+            continue
+        writers = {op.label for op in graph.operators() if any(w == t for w, _ in graph.outputs_of(op).values())}
+        if named != writers:
+            raise PlanError(f"plan's write transpose of {phase}/{t} must name all of its writers "
+                            f"({', '.join(sorted(writers))}); missing: {', '.join(sorted(writers - named)) or '-'}, "
+                            f"not writers of {t}: {', '.join(sorted(named - writers)) or '-'}")
     # A write copy is transposed into the stored tensor once, after the last of its writers (several
     # writers may each fill a slice of it: the Q, K and V gradients of dQKV).
     last_writer = {cname: op.label for op in graph.operators() for cname in writes.get(op.label, {}).values()}
@@ -219,7 +257,8 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
         kopts = plan.kernels.get(key, {})
         if op.kind == "fused":
             attrs["ops"] = rename_member_tensors(attrs["ops"], {**rename_in, **rename_out})
-        if op.kind != "contraction" and kopts.get("vector"):
+        if kopts.get("vector") is not None:
+            _check_vector(graph, op, kopts["vector"], key)
             attrs["vector"] = kopts["vector"]
         b.op(op.label, op.kind, op.op_class, ins, outs, **attrs)
         for t, cname in rename_out.items():
