@@ -29,7 +29,7 @@ from .passes.epilogue import applies_to as epilogue_applies
 from .passes.epilogue import fuse_epilogues
 from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
-from .passes.precision import mixed_precision
+from .passes.precision import cast_backward_contraction_inputs, mixed_precision
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -153,7 +153,8 @@ def _precision(state: PipelineState) -> None:
 
 
 def _autodiff(state: PipelineState) -> None:
-    state.forward, state.backward = build_backward(state.forward)
+    state.forward, backward = build_backward(state.forward)
+    state.backward = cast_backward_contraction_inputs(backward)
 
 
 def _graphs(state: PipelineState) -> dict[str, LayerGraph]:
@@ -226,7 +227,8 @@ PASSES = (
     Pass("graph", "build the forward SDFG from the config", frozenset({"config"}), _FORWARD, _graph),
     Pass("precision", "mixed precision (bfloat16 CPU builds): autocast's dtype for every tensor, float32 "
          "residual stream, casts before contractions", _FORWARD, _FORWARD, _precision),
-    Pass("autodiff", "derive the backward SDFG; mark what forward saves", _FORWARD, _GRAPHS, _autodiff,
+    Pass("autodiff", "derive the backward SDFG; mark what forward saves; casts before float32 inputs of "
+         "bf16 GEMMs", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
     Pass("fusion", "fuse attention (forward-only CPU float builds), move biases into GEMM epilogues (bf16 CPU "
          "builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,

@@ -17,7 +17,7 @@ from substation.backends.cpu import build as cpu_build
 from substation.backends.cpu.codegen import tensor_dtypes
 from substation.config import ConfigError, load_config
 from substation.perf.analysis import analyze
-from substation.pipeline import cached_compile, compile_layer
+from substation.pipeline import cached_compile, compile_graphs, compile_layer
 from substation.reference import ReferenceEncoderLayer, run_graph
 from substation.runtime import parameter_names
 
@@ -84,11 +84,34 @@ def test_tensor_dtypes_are_autocasts_float32_residual_stream_statistics_and_para
     stats = {f"layer_norm{k}_{s}" for k in (1, 2) for s in ("mean", "rstd")}
     norms = {f"norm{k}_{s}" for k in (1, 2) for s in ("weight", "bias")}
     stream = {"X", "R1", "N1", "R2", "Y"}
+    # without attention dropout the scores stay float32 up to the softmax, as in PyTorch's fused SDPA
+    # kernel, and so do the probabilities (rounded to bf16 for the products) and their gradients
+    scores = {"S", "S_masked", "A", "dS", "dS_masked", "dA"}
     assert {"X", "Y", "R1", "R2", "dX", "dY", "dR1", "dR2"} <= wide
-    assert wide == (grads | stats | norms | stream | {f"d{t}" for t in stream}) & set(dtypes)
+    assert wide == (grads | stats | norms | stream | {f"d{t}" for t in stream} | scores) & set(dtypes)
+    assert {"A_bf16", "dS_masked_bf16"} <= set(dtypes)
     assert {d for n, d in dtypes.items() if n not in wide} == {"bfloat16"}
     # the GEMMs read bfloat16 copies of X and N1, written by a cast and by the BDRLN kernel
     assert {"X_bf16", "N1_bf16"} <= set(dtypes) and dtypes["X_bf16"] == dtypes["N1_bf16"] == "bfloat16"
+
+
+def test_scores_stay_float32_where_pytorch_runs_its_fused_attention():
+    """SDPA under autocast takes PyTorch's fused CPU kernel (float32 scores) without dropout on the
+    probabilities and its math path (bfloat16 scores) with it: the inference build and a training
+    build with attention dropout 0 keep S float32, a training build with dropout rounds it."""
+    cfg = _tiny(dtype="bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inference, _ = compile_graphs(cfg, mode="eval")
+        dropped, _ = compile_graphs(cfg)
+        plain, plain_bwd = compile_graphs(cfg.replace(dropout=NO_DROPOUT))
+    assert inference.tensors["S"].dtype == plain.tensors["S"].dtype == "float32"
+    assert dropped.tensors["S"].dtype == "bfloat16" and dropped.tensors["A"].dtype == "bfloat16"
+    # the context product reads the probabilities' bf16 copy; backward casts the score gradients once
+    assert inference.inputs_of(inference.find("context"))["attn"][0] == "A_bf16"
+    casts = {op.label: plain_bwd.inputs_of(op)["x"][0] for op in plain_bwd.operators() if op.kind == "cast"}
+    assert casts["dS_masked_cast"] == "dS_masked"  # one cast, shared by both products
+    assert {plain_bwd.inputs_of(plain_bwd.find(n))["dy"][0] for n in ("scores_dq", "scores_dk")} == {"dS_masked_bf16"}
 
 
 def test_generated_code_runs_every_contraction_on_onednn_and_converts_in_the_row_kernels():

@@ -12,6 +12,14 @@ bfloat16. This pass gives the forward graph that semantics, from each kind's reg
 * ``fp32`` (layer norm, RMSNorm): outputs and statistics float32;
 * ``promote`` (every element-wise kind, softmax): the widest dtype of the inputs.
 
+One exception follows what the layer's attention runs under autocast: PyTorch's
+``scaled_dot_product_attention`` takes its fused CPU kernel when no dropout acts on the probabilities
+(eval, or attention dropout 0) and that kernel keeps the scores in float32 up to the softmax (its math
+path, taken with dropout, rounds them to bfloat16 like any autocast matmul). So a contraction whose
+output only goes through the mask to a softmax whose probabilities only contractions read keeps a
+float32 output; the probabilities are then rounded to bfloat16 for the product with V (a cast that
+fusion folds into the softmax's row kernel).
+
 Inputs: X float32, the mask bfloat16. Parameters: float32 where a ``fp32`` operator reads them (the
 norms' weights and biases, as autocast keeps them), bfloat16 copies of the float32 master weights
 elsewhere. Autodiff (:mod:`substation.passes.autodiff`) then gives each gradient its tensor's dtype and
@@ -22,7 +30,8 @@ from __future__ import annotations
 from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops import op_kind
 
-__all__ = ["LOW_PRECISION", "WIDTH", "applies_to", "boundary_dtype", "mixed_precision", "tensor_precisions"]
+__all__ = ["LOW_PRECISION", "WIDTH", "applies_to", "boundary_dtype", "cast_backward_contraction_inputs",
+           "mixed_precision", "tensor_precisions"]
 
 #: The low-precision dtype of a mixed-precision CPU build.
 LOW_PRECISION = "bfloat16"
@@ -53,6 +62,7 @@ def tensor_precisions(graph: LayerGraph) -> dict[str, str]:
     ops = graph.operators()
     fp32_params = {t for op in ops if op_kind(op.kind).autocast == "fp32"
                    for t, _ in graph.inputs_of(op).values() if graph.tensors[t].role == "param"}
+    float_scores = _fused_attention_scores(graph)
     dtypes = {}
     for name, info in graph.tensors.items():
         if info.role == "input":
@@ -62,7 +72,7 @@ def tensor_precisions(graph: LayerGraph) -> dict[str, str]:
     for op in ops:
         rule = op_kind(op.kind).autocast
         if rule == "lower_precision_fp":
-            out = LOW_PRECISION
+            out = "float32" if op.label in float_scores else LOW_PRECISION
         elif rule == "fp32":
             out = "float32"
         else:
@@ -70,6 +80,33 @@ def tensor_precisions(graph: LayerGraph) -> dict[str, str]:
         for t, _ in graph.outputs_of(op).values():
             dtypes[t] = out
     return dtypes
+
+
+def _fused_attention_scores(graph: LayerGraph) -> set[str]:
+    """Labels of the contractions whose output goes only through a mask (optional) to a softmax whose
+    output only contractions read: the scores of an attention without dropout on its probabilities."""
+    readers: dict[str, list] = {}
+    for op in graph.operators():
+        for t, _ in graph.inputs_of(op).values():
+            readers.setdefault(t, []).append(op)
+
+    def only_reader(op):
+        outs = list(graph.outputs_of(op).values())
+        found = readers.get(outs[0][0], []) if len(outs) == 1 else []
+        return found[0] if len(found) == 1 else None
+    labels = set()
+    for op in graph.operators():
+        if op.kind != "contraction":
+            continue
+        nxt = only_reader(op)
+        if nxt is not None and nxt.kind == "mask":
+            nxt = only_reader(nxt)
+        if nxt is None or nxt.kind != "softmax":
+            continue
+        (probs, _), = graph.outputs_of(nxt).values()
+        if readers.get(probs) and all(r.kind == "contraction" for r in readers[probs]):
+            labels.add(op.label)
+    return labels
 
 
 def mixed_precision(graph: LayerGraph) -> LayerGraph:
@@ -84,10 +121,31 @@ def mixed_precision(graph: LayerGraph) -> LayerGraph:
         return graph
     if any(op.kind == "fused" for op in graph.operators()):
         raise ValueError("mixed precision runs before fusion (on the unfused forward graph)")
-    dtypes = tensor_precisions(graph)
+    return _cast_contraction_inputs(graph, tensor_precisions(graph))
+
+
+def cast_backward_contraction_inputs(graph: LayerGraph) -> LayerGraph:
+    """The backward ``graph`` of a bfloat16 CPU build with a ``cast`` before each contraction input that
+    is not bfloat16 (the float32 score gradients of an attention whose scores are float32: PyTorch's
+    fused attention rounds them for its GEMMs too); ``graph`` itself where there is none."""
+    if not applies_to(graph.config.dtype, graph.config.target):
+        return graph
+    return _cast_contraction_inputs(graph, {n: t.dtype for n, t in graph.tensors.items()})
+
+
+def _cast_contraction_inputs(graph: LayerGraph, dtypes: dict[str, str]) -> LayerGraph:
+    """``graph`` with ``dtypes`` on its tensors and one shared ``<tensor>_cast`` operator before the
+    contractions that read a tensor that is not bfloat16."""
+    wide = {t for op in graph.operators() if op_kind(op.kind).autocast == "lower_precision_fp"
+            for t, _ in graph.inputs_of(op).values() if dtypes[t] != LOW_PRECISION}
+    if not wide and all(info.dtype == dtypes[n] for n, info in graph.tensors.items()):
+        return graph
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
     for name, info in graph.tensors.items():
-        b.tensor(name, info.dims, info.role, info.layout, dtypes[name])
+        if info.dtype == dtypes[name]:
+            b.copy_tensor(info)
+        else:
+            b.tensor(name, info.dims, info.role, info.layout, dtypes[name])
     low: dict[str, str] = {}  # float32 tensor -> its bfloat16 copy
     for op in graph.operators():
         ins = {}
