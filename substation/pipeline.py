@@ -201,9 +201,10 @@ def _load(state: PipelineState) -> None:
     if state.config.target == "cpu" and state.config.dtype == "float32":
         try:
             require_bf16_isa()
+            # a float32 layout plan names the float32 graphs' tensors and was chosen for their costs: the
+            # bf16 build takes its own default plan
             autocast_build = functools.partial(cached_compile, state.config.replace(dtype="bfloat16"), fuse=opts.fuse,
-                                               layout=opts.layout, instrument=opts.instrument, mode=opts.mode,
-                                               attention=opts.attention)
+                                               instrument=opts.instrument, mode=opts.mode, attention=opts.attention)
         except ToolchainError as e:
             autocast_note = str(e)
     options = {"fuse": opts.fuse, "attention": opts.attention, "layout": opts.layout, "instrument": opts.instrument}

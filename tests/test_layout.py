@@ -257,6 +257,33 @@ def test_malformed_write_transposes_are_refused(entry, message):
     compile_graphs(TINY, fuse_ops=True, layout=L.LayoutPlan.from_dict({"format": L.PLAN_FORMAT, "transposes": [good]}))
 
 
+def test_contradictory_copies_are_refused():
+    good = {"graph": "backward", "tensor": "dQKV", "layout": "TBJHP", "direction": "write",
+            "ops": ["context_dv", "scores_dq", "scores_dk"]}
+    cases = [([good, {**good, "direction": "read", "ops": ["qkv_dw"]}], r"both reads and writes backward/dQKV"),
+             ([good, {**good, "layout": "BTHJP"}], r"two write copies of dQKV \(TBJHP and BTHJP\)"),
+             ([{"graph": "forward", "tensor": "QKV", "layout": "BTHJP", "direction": "read", "ops": ["linear1"]}],
+              r"read copy of forward/QKV names operators that do not read it: linear1")]
+    for transposes, message in cases:
+        with pytest.raises(L.PlanError, match=message):
+            compile_graphs(TINY, layout=L.LayoutPlan.from_dict({"format": L.PLAN_FORMAT, "transposes": transposes}))
+
+
+def test_a_float32_plan_does_not_reach_the_autocast_build():
+    """The bf16 build a float32 layer runs under autocast takes the bf16 default plan: a float32 plan
+    names tensors the bf16 graphs lack (QKV_raw: its bias moved into the GEMM)."""
+    plan = L.LayoutPlan(tensors={"QKV_raw": "TBJHP"})
+    compiled = compile_layer(TINY.replace(dtype="float32"), layout=plan)
+    layer = substation.EncoderLayer(compiled).train()
+    x = torch.randn(2, 5, TINY.hidden_size, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.float32 and x.grad is not None and torch.isfinite(x.grad).all()
+    bf16 = compiled.autocast_build()
+    assert "transpose_dQKV_TBJHP" in {op.label for op in bf16.backward.graph.operators()}
+
+
 @pytest.mark.parametrize("key, vector, message", [
     ("backward/softmax_grad", "J", r"vector letter 'J'; it can vectorize K"),
     ("forward/softmax", "Z", r"vector letter 'Z'; it can vectorize K"),

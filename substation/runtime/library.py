@@ -271,7 +271,8 @@ class CompiledLayer:
             (``fuse``, ``layout``, ``instrument``, ``mode``), so it can be rebuilt (e.g. after unpickling).
         inference_build: ``() -> CompiledLayer``, the forward-only build of the same config (the
             pipeline supplies it; built through the cache on first use); None for the build itself.
-        autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and options, run
+        autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and options (its
+            own default layout plan: a float32 plan does not carry over), run
             under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 CPU builds on CPUs with
             AVX512-BF16; else None).
         autocast_note: why a float32 CPU build has no :attr:`autocast_build` (the CPU lacks

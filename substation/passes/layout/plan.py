@@ -215,24 +215,37 @@ def _apply_graph(graph: LayerGraph, plan: LayoutPlan) -> LayerGraph:
         if sorted(l) != sorted(graph.tensors[t].dims):
             raise PlanError(f"plan transpose of {t} to {l!r}: not a permutation of {graph.tensors[t].dims!r}")
         name = f"{t}__{l}"
-        copies[name] = (t, l)
+        if copies.get(name, (t, l, tr["direction"]))[2] != tr["direction"]:
+            raise PlanError(f"plan both reads and writes {phase}/{t} through a {l} copy; use one direction")
+        copies[name] = (t, l, tr["direction"])
+        table = reads if tr["direction"] == "read" else writes
         for label in tr["ops"]:
             label = label.split("/", 1)[-1]
-            (reads if tr["direction"] == "read" else writes).setdefault(label, {})[t] = name
+            if table.get(label, {}).get(t, name) != name:
+                raise PlanError(f"plan gives {phase}/{label} two {tr['direction']} copies of {t} "
+                                f"({table[label][t].split('__')[-1]} and {l})")
+            table.setdefault(label, {})[t] = name
     b = GraphBuilder(graph.sdfg.name, graph.config, phase)
     for name, info in graph.tensors.items():
         b.copy_tensor(info, layout=layouts[name])
-    for name, (t, l) in copies.items():
+    for name, (t, l, _) in copies.items():
         b.copy_tensor(graph.tensors[t], role="temp", layout=l, name=name)
     labels = {op.label for op in graph.operators()}
     for table in (reads, writes):
         for label in table:
             if label not in labels:
                 raise PlanError(f"plan names operator {phase}/{label}, which the {phase} graph does not have")
-    for cname, (t, _) in copies.items():  # a write copy replaces the tensor for every one of its writers
-        named = {label for label, table in writes.items() if table.get(t) == cname}
-        if not named:
+    for cname, (t, _, direction) in copies.items():
+        if direction == "read":  # a read copy is for operators that read the tensor
+            named = {label for label, table in reads.items() if table.get(t) == cname}
+            stray = {op.label for op in graph.operators() if op.label in named
+                     and not any(r == t for r, _ in graph.inputs_of(op).values())}
+            if stray:
+                raise PlanError(f"plan's read copy of {phase}/{t} names operators that do not read it: "
+                                f"{', '.join(sorted(stray))}")
             continue
+        # a write copy replaces the tensor for every one of its writers
+        named = {label for label, table in writes.items() if table.get(t) == cname}
         writers = {op.label for op in graph.operators() if any(w == t for w, _ in graph.outputs_of(op).values())}
         if named != writers:
             raise PlanError(f"plan's write transpose of {phase}/{t} must name all of its writers "
