@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops import op_kind
+from .attention import find_attention
 
 __all__ = ["LOW_PRECISION", "WIDTH", "applies_to", "boundary_dtype", "cast_backward_contraction_inputs",
            "mixed_precision", "tensor_precisions"]
@@ -83,30 +84,10 @@ def tensor_precisions(graph: LayerGraph) -> dict[str, str]:
 
 
 def _fused_attention_scores(graph: LayerGraph) -> set[str]:
-    """Labels of the contractions whose output goes only through a mask (optional) to a softmax whose
-    output only contractions read: the scores of an attention without dropout on its probabilities."""
-    readers: dict[str, list] = {}
-    for op in graph.operators():
-        for t, _ in graph.inputs_of(op).values():
-            readers.setdefault(t, []).append(op)
-
-    def only_reader(op):
-        outs = list(graph.outputs_of(op).values())
-        found = readers.get(outs[0][0], []) if len(outs) == 1 else []
-        return found[0] if len(found) == 1 else None
-    labels = set()
-    for op in graph.operators():
-        if op.kind != "contraction":
-            continue
-        nxt = only_reader(op)
-        if nxt is not None and nxt.kind == "mask":
-            nxt = only_reader(nxt)
-        if nxt is None or nxt.kind != "softmax":
-            continue
-        (probs, _), = graph.outputs_of(nxt).values()
-        if readers.get(probs) and all(r.kind == "contraction" for r in readers[probs]):
-            labels.add(op.label)
-    return labels
+    """Labels of the contractions that compute scores whose probabilities go straight to the context
+    product (no dropout between): the chain :func:`~substation.passes.attention.find_attention` fuses."""
+    chain = find_attention(graph)
+    return set() if chain is None else {chain.scores.label}
 
 
 def mixed_precision(graph: LayerGraph) -> LayerGraph:

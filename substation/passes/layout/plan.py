@@ -8,6 +8,7 @@ import os
 import warnings
 from typing import Mapping
 
+from ...backends.rowkernel import kernel_members
 from ...files import atomic_write_text
 from ...ir.graph import GraphBuilder, LayerGraph
 from ...ir.operands import plan_bias, plan_contraction, resolve_operand
@@ -191,9 +192,7 @@ def _check_vector(graph: LayerGraph, op, vector, key: str) -> None:
     of its letters, and of those its reduction keeps inner where it has one."""
     if op.kind in ("contraction", "attention"):
         raise PlanError(f"plan gives kernel {key} (a GEMM) a 'vector' option; only row kernels take one")
-    members = op.attrs["ops"] if op.kind == "fused" else [
-        {"kind": op.kind, "inputs": graph.inputs_of(op), "outputs": graph.outputs_of(op), "attrs": op.attrs}]
-    spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in members]
+    spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in kernel_members(graph, op)]
     allowed = next((n for _, n in spaces if n is not None), spaces[0][0])
     if not isinstance(vector, str) or vector not in allowed:
         raise PlanError(f"plan gives kernel {key} vector letter {vector!r}; it can vectorize "
