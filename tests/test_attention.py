@@ -1,9 +1,11 @@
 """The fused attention kernel of forward-only CPU builds: which graphs get it, the bytes and workspace
 it saves, and its output against the float64 reference (masks, fully masked rows, causal, several
-query blocks)."""
+query blocks); the bfloat16 kernel on AMX against float64 and PyTorch's fused attention in bfloat16."""
 from __future__ import annotations
 
 import ctypes
+import math
+import subprocess
 
 import pytest
 import torch
@@ -11,9 +13,13 @@ import torch
 from conftest import reference_for, rel
 from substation import EncoderLayer
 from substation.config import load_config
-from substation.passes.attention import find_attention
+from substation.backends.cpu.build import FLAGS, cpu_flags, toolchain
+from substation.ops.contraction import EPILOGUE_BIAS
+from substation.passes import attention as attention_pass
+from substation.passes.attention import AMX_FLAGS, find_attention
 from substation.perf.analysis import count_graph
 from substation.pipeline import cached_compile, compile_graphs
+from substation.resources import csrc_dir
 
 TINY = load_config("configs/tiny.yaml")
 
@@ -36,10 +42,31 @@ def test_inference_graphs_fuse_attention_and_training_graphs_do_not():
     assert find_attention(compile_graphs(TINY, mode="eval", attention=False)[0]) is not None
     train_fwd, train_bwd = compile_graphs(TINY, fuse_ops=True)
     assert "attention" not in _kinds(train_fwd) + _kinds(train_bwd)
-    bf16, _ = compile_graphs(TINY.replace(dtype="bfloat16"), fuse_ops=True, mode="eval")
-    assert "attention" not in _kinds(bf16)  # its products stay on oneDNN's bf16 matmul
     cuda, _ = compile_graphs(TINY.replace(target="cuda", dtype="float32"), fuse_ops=True, mode="eval")
     assert "attention" not in _kinds(cuda)
+
+
+def test_bf16_inference_fuses_attention_only_on_amx(monkeypatch):
+    """bf16: the chain of the mixed-precision graph (float32 scores, the probabilities' cast to bf16)
+    becomes the AMX kernel, Q, K, V biased by the QKV GEMM's epilogue; with AVX512-BF16 alone it stays
+    on oneDNN's matmul; training graphs keep it."""
+    config = TINY.replace(dtype="bfloat16")
+    monkeypatch.setattr(attention_pass, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    apart, _ = compile_graphs(config, fuse_ops=True, mode="eval")
+    assert "attention" not in _kinds(apart) and {"S", "A_bf16"} <= set(apart.tensors)
+    monkeypatch.setattr(attention_pass, "cpu_flags", lambda: AMX_FLAGS)
+    fused, _ = compile_graphs(config, fuse_ops=True, mode="eval")
+    assert _kinds(fused).count("attention") == 1 and _kinds(fused).count("contraction") == 4
+    assert {c: t for c, (t, _) in fused.inputs_of(fused.find("attention")).items()} == {
+        "q": "QKV", "k": "QKV", "v": "QKV", "m": "mask"}
+    assert EPILOGUE_BIAS in fused.inputs_of(fused.find("qkv"))
+    assert not {"S", "S_masked", "A", "A_bf16"} & set(fused.tensors)
+    sizes = config.sizes()
+    scores = sizes["B"] * sizes["H"] * sizes["J"] * sizes["K"]
+    moved = {name: sum(c.bytes for c in count_graph(g, sizes)) for name, g in (("fused", fused), ("apart", apart))}
+    assert moved["apart"] - moved["fused"] == 2 * scores * 4 + 2 * scores * 2  # S in float32, A_bf16 in bf16
+    train, _ = compile_graphs(config, fuse_ops=True)
+    assert "attention" not in _kinds(train)
 
 
 def test_bytes_saved_are_the_scores_and_probabilities():
@@ -126,3 +153,95 @@ def test_bench_attention_cli(tmp_path, capsys):
     assert main(["bench", "tiny", "--attention-lengths", "8", "--mode", "eval"]) == 2
     assert main(["bench", "tiny", "--attention-lengths", "0"]) == 2
     assert "lengths >= 1" in capsys.readouterr().err
+
+
+needs_amx = pytest.mark.skipif(not AMX_FLAGS <= cpu_flags(), reason="the bf16 fused attention runs on AMX")
+
+
+@needs_amx
+def test_bf16_fused_attention_on_amx_matches_float64_like_autocast():
+    """A float32 layer under autocast in inference runs the AMX kernel; against float64 it stays within
+    2x of PyTorch's own layer under autocast, and within bf16 rounding of the unfused bf16 chain
+    (several query blocks, a short last one, K = 300 not a multiple of the tile's 32, P = 4)."""
+    config = TINY.replace(dtype="float32")
+    layer = EncoderLayer(cached_compile(config)).eval()
+    fused = cached_compile(config.replace(dtype="bfloat16"), mode="eval")
+    apart = cached_compile(config.replace(dtype="bfloat16"), mode="eval", attention=False)
+    assert "ss::attention_forward_amx(" in fused.sources["forward"]
+    assert "ss::attention_forward_amx(" not in apart.sources["forward"]
+    assert _workspace(apart, 3, 300) - _workspace(fused, 3, 300) >= 3 * config.num_heads * 300 * 300 * 4
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(3, 300, config.hidden_size)
+    mask = torch.zeros(3, 300)
+    mask[0, 200:] = -3.0
+    mask[1, :] = float("-inf")
+    mask[2, ::3] = float("-inf")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, mask)
+        y32 = reference_for(layer, torch.float32).eval()(x, mask)
+    assert layer.compiled.for_autocast().forward_only().sources["forward"] == fused.sources["forward"]
+    with torch.no_grad():
+        exact = reference_for(layer).eval()(x.double(), mask.double())
+    assert torch.isfinite(y).all()
+    assert rel(y, exact) <= 2 * rel(y32.float(), exact)
+
+
+_HARNESS = r"""
+#include "substation_attention.h"
+extern "C" int run(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha, const uint16_t* q,
+                   const int64_t* qs, const uint16_t* k, const int64_t* ks, const uint16_t* v, const int64_t* vs,
+                   const uint16_t* m, int64_t mb, int causal, uint16_t* y, const int64_t* ys) {
+  return ss::attention_forward_amx(B, H, J, K, P, alpha, q, qs, k, ks, v, vs, m, mb, causal, y, ys);
+}
+"""
+
+
+@needs_amx
+def test_amx_kernel_shapes_masks_and_causal(tmp_path):
+    """ss::attention_forward_amx on its own (strided Q, K, V views of one QKV block): P of 4 to 80 (not
+    multiples of 32 included), J and K of 1 to 130, a fully masked sequence (zeros), causal masks;
+    against float64 within bf16 rounding, and no worse than PyTorch's SDPA in bf16 where it applies."""
+    tc = toolchain()
+    (tmp_path / "harness.cpp").write_text(_HARNESS)
+    lib_path = tmp_path / "harness.so"
+    subprocess.run([tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", str(tmp_path / "harness.cpp"),
+                    "-o", str(lib_path)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+
+    def strides(t):
+        return (ctypes.c_int64 * 3)(*t.stride()[:3])
+    torch.manual_seed(8)
+    for b, h, j, k, p, causal in [(2, 3, 128, 128, 32, False), (1, 2, 24, 24, 32, False), (2, 2, 17, 40, 64, False),
+                                  (2, 1, 5, 7, 4, False), (2, 2, 33, 33, 48, True), (2, 2, 130, 130, 80, False),
+                                  (3, 1, 1, 1, 32, False)]:
+        qkv = torch.randn(b, max(j, k), 3, h, p).bfloat16()
+        q, key, v = qkv[:, :j, 0], qkv[:, :k, 1], qkv[:, :k, 2]
+        mask = torch.zeros(b, k)
+        mask[0, k * 3 // 4 + 1:] = float("-inf")
+        if b > 1:
+            mask[1] = float("-inf")  # every key masked: zero probabilities, as the unfused softmax gives
+        mask = mask.bfloat16()
+        y = torch.full((b, j, h, p), float("nan"), dtype=torch.bfloat16)
+        alpha = 1 / math.sqrt(p)
+        assert lib.run(*(ctypes.c_int64(n) for n in (b, h, j, k, p)), ctypes.c_float(alpha),
+                       ctypes.c_void_p(q.data_ptr()), strides(q), ctypes.c_void_p(key.data_ptr()), strides(key),
+                       ctypes.c_void_p(v.data_ptr()), strides(v), ctypes.c_void_p(mask.data_ptr()), ctypes.c_int64(k),
+                       ctypes.c_int(causal), ctypes.c_void_p(y.data_ptr()), strides(y)) == 0
+        s = torch.einsum("bjhp,bkhp->bhjk", q.double(), key.double()) * alpha + mask.double()[:, None, None, :]
+        if causal:
+            s = s.masked_fill(torch.ones(j, k, dtype=torch.bool).triu(1), float("-inf"))
+        exact = torch.einsum("bhjk,bkhp->bjhp", torch.softmax(s, -1).nan_to_num(0.0), v.double())
+        err = (y.double() - exact).abs().max().item()
+        assert err <= 4e-3 * exact.abs().max().item(), (b, h, j, k, p, causal, err)
+        if b > 1:
+            assert y[1].abs().max() == 0
+        live = slice(0, 1)  # SDPA gives NaN for the fully masked sequence
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q[live].transpose(1, 2), key[live].transpose(1, 2), v[live].transpose(1, 2),
+            attn_mask=mask[live, None, None, :], is_causal=False) if not causal else None
+        if sdpa is not None:
+            sdpa_err = (sdpa.transpose(1, 2).double() - exact[live]).abs().max().item()
+            assert (y[live].double() - exact[live]).abs().max().item() <= 2 * sdpa_err + 1e-6

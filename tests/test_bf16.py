@@ -372,7 +372,8 @@ def test_every_onednn_call_runs_an_optimized_kernel():
 
 def test_biases_move_into_the_gemm_epilogues_where_that_saves_bytes():
     """Every bias of the bf16 forward finishes a GEMM: oneDNN adds it to the float32 accumulators, the
-    raw products (QKV_raw, O_raw, F1_raw, F2_raw) are never stored, 2 x 2 bytes per element saved."""
+    raw products (QKV_raw, O_raw, F1_raw, F2_raw) are never stored, 2 x 2 bytes per element saved; GELU
+    follows the bias into linear1's epilogue where F1 is not kept (inference)."""
     from substation.passes.epilogue import epilogue_candidates, fuse_epilogues
     from substation.passes.precision import mixed_precision
     from substation.ir.graph import build_forward
@@ -382,13 +383,19 @@ def test_biases_move_into_the_gemm_epilogues_where_that_saves_bytes():
     assert epilogue_candidates(plain) == {"qkv": "input_bias", "out_proj": "out_bias", "linear1": "linear1_bias",
                                           "linear2": "linear2_bias"}
     fused = fuse_epilogues(plain)
-    assert not [op for op in fused.operators() if op.kind == "bias"]
-    assert not {"QKV_raw", "O_raw", "F1_raw", "F2_raw"} & set(fused.tensors)
+    assert not [op for op in fused.operators() if op.kind in ("bias", "activation")]
+    assert not {"QKV_raw", "O_raw", "F1_raw", "F2_raw", "F1"} & set(fused.tensors)
+    assert fused.find("linear1").attrs["activation"] == "gelu"  # F1 is not kept: no backward here
     s = cfg.sizes()
     raw = s["B"] * s["J"] * (3 * s["I"] + s["I"] + s["U"] + s["I"])
     before, after = (sum(c.bytes for c in count_graph(g)) for g in (plain, fused))
-    assert before - after == 2 * 2 * raw
+    assert before - after == 2 * 2 * raw + 2 * 2 * s["B"] * s["J"] * s["U"]  # + F1 written and read
     assert sum(c.flop for c in count_graph(plain)) == sum(c.flop for c in count_graph(fused))
+    # training keeps F1 for the activation's gradient: GELU stays a row kernel there
+    train, _ = compile_graphs(_tiny(dtype="bfloat16"), fuse_ops=True)
+    assert "activation" not in train.find("linear1").attrs and train.find("activation").kind == "activation"
+    inference = cached_compile(_tiny(dtype="bfloat16"), mode="eval").sources["forward"]
+    assert inference.count("ss::GemmActivation::gelu)") == 1
     # the generated calls: the Q/K/V stack T loops around one GEMM per T (QKV is T-major); no epilogue in float32
     compiled = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))
     source = compiled.sources["forward"]
@@ -407,7 +414,9 @@ def test_bench_dtype_bfloat16_runs_everything_under_autocast(tmp_path, capsys):
     r = json.loads(js.read_text())
     assert r["dtype"] == "bfloat16" and set(r["implementations"]) == {"substation", "eager"}
     assert "torch.autocast('cpu', dtype=torch.bfloat16)" in r["implementations"]["eager"]["label"]
-    assert 1e-4 < r["max_rel_error_vs_eager"] < 3e-2  # both in bf16, rounded differently
+    # both in bf16: on AMX the fused attention rounds where SDPA's fused kernel does (same output up to
+    # float32 summation order), elsewhere bf16-sized differences
+    assert r["max_rel_error_vs_eager"] < 3e-2
     assert r["implementations"]["substation"]["saved_for_backward_bytes"] > 0
     limit = r["limit"]
     assert limit["gemm_rate"] > 0 and limit["per_implementation"]["substation"]["fraction_of_limit"] > 0

@@ -10,9 +10,18 @@
 // reads them four times). Every key is in the block, so the softmax is exact in one pass. Semantics
 // as the unfused kernels: a row whose scores are all -inf gets zero probabilities; causal masks key
 // k > query j.
+//
+// bfloat16 builds on a CPU with AMX (attention_forward_amx): the same method on the tile units. Scores
+// accumulate in float32 tiles, the softmax runs in float32, the exponentials are rounded to bf16 for
+// the product with V (float32 accumulation), y is rounded once: what PyTorch's fused CPU attention
+// computes under autocast.
 #pragma once
 
 #include <mkl_cblas.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "substation_cpu.h"
 
@@ -163,5 +172,178 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
       }
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// Linux gives a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, kernel 5.16 and later); oneDNN and PyTorch make the same request.
+static inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+// Palette 1 with all eight tiles at 16 rows x 64 bytes (16 x 32 bf16 or 16 x 16 float).
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// K^T [Pp x Kp] of one head as VNNI tiles: tile (pb, nb) row r holds, for the 16 keys of block nb,
+// the pair of elements 2r, 2r + 1 of P block pb (32 elements), so it is the 32-bit transpose of
+// 16 keys x 32 bf16, done in registers. Keys >= K and elements >= P are zero.
+static inline void amx_pack_keys(int64_t K, int64_t P, const bf16_t* k, int64_t ld, int64_t Kp, int64_t Pp,
+                                 uint32_t* __restrict__ tiles) {
+  const int64_t blocks = Kp / 16;
+  for (int64_t pb = 0; pb < Pp / 32; ++pb)
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+      const int64_t cols = std::min<int64_t>(32, P - pb * 32);
+      const __mmask32 live = cols == 32 ? ~0u : (1u << cols) - 1;
+      __m512 r[16];
+      for (int64_t n = 0; n < 16; ++n) {
+        const int64_t key = nb * 16 + n;
+        r[n] = key < K ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(live, k + key * ld + pb * 32))
+                       : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      uint32_t* tile = tiles + (pb * blocks + nb) * 256;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(tile + i * 16), r[i]);
+    }
+}
+
+// V [Kp x Pp] of one head as VNNI tiles: tile (kb, cb) row r holds the pairs (v[32 kb + 2r, c],
+// v[32 kb + 2r + 1, c]) for the 16 columns c of block cb. Keys >= K and columns >= P are zero.
+static inline void amx_pack_values(int64_t K, int64_t P, const bf16_t* v, int64_t ld, int64_t Kp, int64_t Pp,
+                                   bf16_t* __restrict__ tiles) {
+  alignas(64) static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i order = _mm512_load_si512(interleave);
+  const int64_t blocks = Pp / 16;
+  for (int64_t kb = 0; kb < Kp / 32; ++kb)
+    for (int64_t cb = 0; cb < blocks; ++cb) {
+      const int64_t cols = std::max<int64_t>(0, std::min<int64_t>(16, P - cb * 16));
+      const __mmask16 live = cols == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+      bf16_t* tile = tiles + (kb * blocks + cb) * 512;
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t key = kb * 32 + 2 * r;
+        const __m512i even = key < K ? _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(live, v + key * ld + cb * 16))
+                                     : _mm512_setzero_si512();
+        const __m512i odd = key + 1 < K
+            ? _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(live, v + (key + 1) * ld + cb * 16))
+            : _mm512_setzero_si512();
+        _mm512_storeu_si512(tile + r * 32, _mm512_permutex2var_epi16(even, order, odd));
+      }
+    }
+}
+
+// One query's scores s[0, K) (float, unscaled): alpha s + mask and the causal mask in one pass that
+// also finds the maximum, then the exponentials, their float sum and their bf16 rounding (zero from the
+// key count on, to Kp) into p in a second; returns 1 / the sum (0 when every score is -inf).
+static inline float amx_probabilities(float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp, float alpha,
+                                      const bf16_t* mask, bool causal, int64_t query) {
+  const int64_t live = causal ? std::min<int64_t>(K, query + 1) : K;  // keys past the query are -inf
+  const __m512 scale = _mm512_set1_ps(alpha);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < live; i += 16) {
+    const __mmask16 tail = live - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (live - i)) - 1);
+    __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), scale);
+    if (mask) {
+      const __m256i m = _mm256_maskz_loadu_epi16(tail, mask + i);
+      t = _mm512_add_ps(t, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16)));
+    }
+    _mm512_mask_storeu_ps(s + i, tail, t);
+    mx = _mm512_mask_max_ps(mx, tail, mx, t);
+  }
+  float top = _mm512_reduce_max_ps(mx);
+  if (top == -INFINITY) top = 0;
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < Kp; i += 16) {
+    const __mmask16 tail = live - i >= 16 ? (__mmask16)0xFFFF
+                         : live > i ? (__mmask16)((1u << (live - i)) - 1) : (__mmask16)0;
+    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift), tail);
+    acc = _mm512_add_ps(acc, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  const float sum = _mm512_reduce_add_ps(acc);
+  return sum == 0 ? 0.0f : 1.0f / sum;
+}
+
+// The bf16 attention on AMX; arguments as attention_forward's (no biases: bf16 builds add them in the
+// QKV GEMM's epilogue). Per (b, h): K^T and V packed as tiles, then blocks of 16 queries: scores in
+// two float32 accumulator tiles at a time, the probabilities of the block in bf16, the context in two
+// accumulator tiles at a time, scaled by 1 / sum and rounded into y. Returns 1 when the process may not
+// use AMX (the caller reports it), else 0.
+static inline int attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha,
+                                        const bf16_t* q, const int64_t* q_s, const bf16_t* k, const int64_t* k_s,
+                                        const bf16_t* v, const int64_t* v_s, const bf16_t* mask, int64_t mask_b,
+                                        bool causal, bf16_t* y, const int64_t* y_s) {
+  if (!amx_permitted()) return 1;
+  const int64_t Kp = (K + 31) / 32 * 32, Pp = (P + 31) / 32 * 32, key_blocks = Kp / 16, col_blocks = Pp / 16;
+#pragma omp parallel
+  {
+    const AmxConfig config;
+    _tile_loadconfig(&config);
+    std::vector<uint32_t> kt((size_t)(Kp * Pp / 2));
+    std::vector<bf16_t> vt((size_t)(Kp * Pp)), pr((size_t)(16 * Kp)), qr((size_t)(16 * Pp));
+    std::vector<float> s((size_t)(16 * Kp)), o((size_t)(16 * Pp));
+    float inv[16];
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        amx_pack_keys(K, P, k + b * k_s[0] + h * k_s[2], k_s[1], Kp, Pp, kt.data());
+        amx_pack_values(K, P, v + b * v_s[0] + h * v_s[2], v_s[1], Kp, Pp, vt.data());
+        const bf16_t* mb = mask ? mask + b * mask_b : nullptr;
+        for (int64_t j0 = 0; j0 < J; j0 += 16) {
+          const int64_t nj = std::min<int64_t>(16, J - j0);
+          const bf16_t* qb = q + b * q_s[0] + j0 * q_s[1] + h * q_s[2];
+          int64_t q_ld = q_s[1];
+          if (nj < 16 || P < Pp) {  // a tile reads 16 whole rows of 32 bf16 per P block
+            std::fill(qr.begin(), qr.end(), bf16_t(0));
+            for (int64_t r = 0; r < nj; ++r) std::memcpy(qr.data() + r * Pp, qb + r * q_ld, sizeof(bf16_t) * P);
+            qb = qr.data(), q_ld = Pp;
+          }
+          for (int64_t nb = 0; nb < key_blocks; nb += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t pb = 0; pb < Pp / 32; ++pb) {
+              _tile_loadd(4, qb + pb * 32, q_ld * sizeof(bf16_t));
+              _tile_loadd(5, kt.data() + (pb * key_blocks + nb) * 256, 64);
+              _tile_loadd(6, kt.data() + (pb * key_blocks + nb + 1) * 256, 64);
+              _tile_dpbf16ps(0, 4, 5);
+              _tile_dpbf16ps(1, 4, 6);
+            }
+            _tile_stored(0, s.data() + nb * 16, Kp * sizeof(float));
+            _tile_stored(1, s.data() + nb * 16 + 16, Kp * sizeof(float));
+          }
+          for (int64_t r = 0; r < nj; ++r)
+            inv[r] = amx_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
+          for (int64_t cb = 0; cb < col_blocks; cb += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kb = 0; kb < Kp / 32; ++kb) {
+              _tile_loadd(4, pr.data() + kb * 32, Kp * sizeof(bf16_t));
+              _tile_loadd(5, vt.data() + (kb * col_blocks + cb) * 512, 64);
+              _tile_loadd(6, vt.data() + (kb * col_blocks + cb + 1) * 512, 64);
+              _tile_dpbf16ps(0, 4, 5);
+              _tile_dpbf16ps(1, 4, 6);
+            }
+            _tile_stored(0, o.data() + cb * 16, Pp * sizeof(float));
+            _tile_stored(1, o.data() + cb * 16 + 16, Pp * sizeof(float));
+          }
+          bf16_t* yb = y + b * y_s[0] + j0 * y_s[1] + h * y_s[2];
+          for (int64_t r = 0; r < nj; ++r) {
+            const float* row = o.data() + r * Pp;
+            bf16_t* out = yb + r * y_s[1];
+            const float scale = inv[r];
+#pragma omp simd
+            for (int64_t p = 0; p < P; ++p) out[p] = float_to_bf16(row[p] * scale);
+          }
+        }
+      }
+    _tile_release();
+  }
+  return 0;
+}
+#endif
 
 }  // namespace ss

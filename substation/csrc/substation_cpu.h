@@ -177,6 +177,24 @@ static inline double exp_(double x) { return std::exp(x); }
 static inline float rsqrt_(float x) { return 1.0f / std::sqrt(x); }
 static inline double rsqrt_(double x) { return 1.0 / std::sqrt(x); }
 
+#if defined(__AVX512F__)
+// exp_ of the lanes of t that `tail` selects (zero in the others): the vector form exp_shifted_row and
+// the fused attention's softmax share.
+static inline __m512 exp_lanes(__m512 t, __mmask16 tail) {
+  using namespace expf_constants;
+  const __m512 vlo = _mm512_set1_ps(lo);
+  const __mmask16 live = _mm512_cmp_ps_mask(t, vlo, _CMP_NLT_UQ) & tail;
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(vlo, t));
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(log2e), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(ln2_lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(ln2_hi), xc));
+  __m512 p = _mm512_set1_ps(c5);
+  for (const float c : {c4, c3, c2, c1, c0}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, k);
+}
+#endif
+
 // Softmax's exponentials of a row: y[i] = exp_(x[i] - mx) for i < n, returning their sum. With
 // AVX-512 the same reduction and polynomial run as intrinsics (2^k by vscalefps, results under 2^-126
 // zeroed by a mask; about 15% less time for the whole softmax kernel than exp_ in a simd loop). NaN
@@ -185,21 +203,11 @@ static inline float exp_shifted_row(const float* __restrict__ x, float* __restri
   int64_t i = 0;
   float sum = 0;
 #if defined(__AVX512F__)
-  using namespace expf_constants;
-  const __m512 m = _mm512_set1_ps(mx), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+  const __m512 m = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
   for (; i < n; i += 16) {
     const __mmask16 tail = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-    const __m512 t = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), m);
-    const __mmask16 live = _mm512_cmp_ps_mask(t, vlo, _CMP_NLT_UQ) & tail;
-    const __m512 xc = _mm512_min_ps(vhi, _mm512_max_ps(vlo, t));
-    const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(log2e), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(ln2_lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(ln2_hi), xc));
-    __m512 p = _mm512_set1_ps(c5);
-    for (const float c : {c4, c3, c2, c1, c0}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_maskz_scalef_ps(live, p, k);
+    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), m), tail);
     _mm512_mask_storeu_ps(y + i, tail, e);
     acc = _mm512_add_ps(acc, e);
   }

@@ -36,6 +36,10 @@ struct GemmBias {
   int64_t m = 0, n = 0, batch[3] = {0, 0, 0};
 };
 
+// A function applied to the float32 accumulators after the bias, before rounding (oneDNN's eltwise
+// post-ops eltwise_gelu_erf, eltwise_gelu_tanh, eltwise_relu): the activation epilogue.
+enum class GemmActivation : int { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
+
 // The message of the last failed matmul_bf16 on this thread (exported as substation_last_error()).
 inline std::string& last_error() {
   static thread_local std::string message;
@@ -48,12 +52,13 @@ struct MatmulEntry {
 };
 
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
-// dimensions lda, ldb, ldc as in cblas_sgemm (beta 0); C is float32 when c_f32, else bf16. A bias
-// (bias.data set) needs alpha 1 (oneDNN scales after the bias). Returns 0, or 1 with last_error() set
-// when oneDNN refuses the call.
+// dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; C is float32 when c_f32,
+// else bf16. A bias (bias.data set) needs alpha 1 (oneDNN scales after the bias). Returns 0, or 1 with
+// last_error() set when oneDNN refuses the call.
 inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                        const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, void* c, int64_t ldc,
-                       bool c_f32, const GemmBatch& batch, const GemmBias& bias = GemmBias{}) {
+                       bool c_f32, const GemmBatch& batch, const GemmBias& bias = GemmBias{},
+                       GemmActivation activation = GemmActivation::none) {
   using dnnl::memory;
   try {
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -70,7 +75,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       last_error() = "matmul_bf16: a bias epilogue needs alpha = 1";
       return 1;
     }
-    key.insert(key.end(), {with_bias, bias.m, bias.n});
+    key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation});
     const MatmulEntry* entry;
     {
       std::lock_guard<std::mutex> guard(lock);
@@ -108,11 +113,16 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         const memory::desc a_md(ad, memory::data_type::bf16, as), b_md(bd, memory::data_type::bf16, bs);
         const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : memory::data_type::bf16, cs);
         dnnl::primitive_attr attr;
-        if (alpha != 1.0f) {  // the scale on the float32 accumulators, before rounding to bf16
-          dnnl::post_ops ops;
+        dnnl::post_ops ops;
+        if (alpha != 1.0f)  // the scale on the float32 accumulators, before rounding to bf16
           ops.append_eltwise(dnnl::algorithm::eltwise_linear, alpha, 0.0f);
-          attr.set_post_ops(ops);
+        if (activation != GemmActivation::none) {
+          const dnnl::algorithm fn = activation == GemmActivation::gelu        ? dnnl::algorithm::eltwise_gelu_erf
+                                     : activation == GemmActivation::gelu_tanh ? dnnl::algorithm::eltwise_gelu_tanh
+                                                                               : dnnl::algorithm::eltwise_relu;
+          ops.append_eltwise(fn, 0.0f, 0.0f);
         }
+        if (ops.len() > 0) attr.set_post_ops(ops);
         const memory::desc bias_md = with_bias ? memory::desc(biasd, memory::data_type::bf16, biass) : memory::desc();
         const dnnl::matmul::primitive_desc pd =
             with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_md, bias_md, c_md, attr)

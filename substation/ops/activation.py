@@ -22,7 +22,9 @@ def _flop_from(table: dict, name: str):
     return flop
 
 
-def _apply(function: str, x: torch.Tensor) -> torch.Tensor:
+def apply_activation(function: str, x: torch.Tensor) -> torch.Tensor:
+    """``function`` (gelu, gelu_tanh, relu) of ``x``, elementwise, in ``x``'s dtype (the reference of the
+    ``activation`` kind and of a contraction's activation epilogue)."""
     if function == "relu":
         return torch.relu(x)
     return F.gelu(x, approximate="tanh" if function == "gelu_tanh" else "none")
@@ -30,14 +32,14 @@ def _apply(function: str, x: torch.Tensor) -> torch.Tensor:
 
 def _activation_reference(ins, outs, attrs):
     x, lx = ins["x"]
-    return {"y": _apply(attrs["function"], align(x, lx, outs["y"]))}
+    return {"y": apply_activation(attrs["function"], align(x, lx, outs["y"]))}
 
 
 def _activation_grad_reference(ins, outs, attrs):
     (dy, ldy), (x, lx) = ins["dy"], ins["x"]
     x = align(x, lx, outs["y"]).detach().requires_grad_()
     with torch.enable_grad():
-        (grad,) = torch.autograd.grad(_apply(attrs["function"], x).sum(), x)
+        (grad,) = torch.autograd.grad(apply_activation(attrs["function"], x).sum(), x)
     return {"y": align(dy, ldy, outs["y"]) * grad}
 
 

@@ -1,15 +1,19 @@
-"""Kind ``contraction`` (TC): ``y = alpha * einsum(a, b) (+ bias)`` over the operands' letters (letters
+"""Kind ``contraction`` (TC): ``y = f(alpha * einsum(a, b) (+ bias))`` over the operands' letters (letters
 missing from ``y`` are summed). Backends map it to BLAS / cuBLAS GEMMs (``plan_contraction``), so it has
-no row-kernel emitters. Flop: 2 per point of the iteration space, plus 1 per output element with a bias.
+no row-kernel emitters. Flop: 2 per point of the iteration space, plus 1 per output element with a bias
+and the activation's count per output element with an activation.
 
-The optional input ``bias`` (its letters a subset of ``y``'s, broadcast over the rest) is a GEMM
-epilogue: :func:`substation.passes.epilogue.fuse_epilogues` moves a ``bias`` operator there, after
-autodiff, for back ends whose GEMM library adds it while the accumulators are in registers."""
+The optional input ``bias`` (its letters a subset of ``y``'s, broadcast over the rest) and the optional
+attribute ``activation`` (f: a function of :mod:`substation.ops.activation`, else the identity) are a
+GEMM epilogue: :func:`substation.passes.epilogue.fuse_epilogues` moves a ``bias`` and an ``activation``
+operator there, after autodiff, for back ends whose GEMM library applies them while the accumulators
+are in registers."""
 from __future__ import annotations
 
 import torch
 
 from ..ir.graph import access_letters
+from .activation import ACTIVATION_FLOP, apply_activation
 from .kind import OpKind, align, elements, operand_access, register
 
 __all__ = ["CONTRACTION", "EPILOGUE_BIAS", "factors"]
@@ -38,7 +42,8 @@ def _contraction_flop(attrs, inputs, outputs, size):
     n = 2
     for c in letters:
         n = n * size(c)
-    return n + (elements(outputs["y"], size) if EPILOGUE_BIAS in inputs else 0)
+    epilogue = (1 if EPILOGUE_BIAS in inputs else 0) + ACTIVATION_FLOP.get(attrs.get("activation"), 0)
+    return n + epilogue * elements(outputs["y"], size)
 
 
 def _contraction_reference(ins, outs, attrs):
@@ -47,12 +52,14 @@ def _contraction_reference(ins, outs, attrs):
     if EPILOGUE_BIAS in ins:
         bias, lbias = ins[EPILOGUE_BIAS]
         y = y + align(bias, lbias, outs["y"])
+    if "activation" in attrs:
+        y = apply_activation(attrs["activation"], y)
     return {"y": y}
 
 
 def _contraction_vjp(d, op, ins, outs, dy, y_acc):
-    if EPILOGUE_BIAS in ins:
-        raise ValueError(f"contraction {op.label}: an epilogue bias is placed after autodiff, not differentiated")
+    if EPILOGUE_BIAS in ins or "activation" in op.attrs:
+        raise ValueError(f"contraction {op.label}: an epilogue is placed after autodiff, not differentiated")
     alpha = op.attrs.get("alpha", 1.0)
     (c1, (t1, a1)), (c2, (t2, a2)) = ins.items()
     for (c, (t, a)), (_, (ot, oa)) in (((c1, (t1, a1)), (c2, (t2, a2))), ((c2, (t2, a2)), (c1, (t1, a1)))):

@@ -8,11 +8,17 @@ and reads the scores, the masked scores and the probabilities, 2 x (2 or 3) x B 
 the fused kernel keeps in a cache-sized block per thread. Where Q, K and V come from a bias add that
 only the chain reads (a float GEMM has no bias epilogue), the kernel adds the bias as it loads them
 (``bq``, ``bk``, ``bv``), and the biased QKV, 2 x B J 3 H P more elements, never reaches memory either.
-It is for builds without backward (the probabilities are not kept) whose contractions run on float or
-double GEMMs; bfloat16 builds keep their attention products on oneDNN's AMX / AVX512-BF16 matmul.
+It is for builds without backward (the probabilities are not kept): float and double builds (the
+products on AVX-512 micro-kernels or BLAS), and bfloat16 builds on a CPU with AMX, whose kernel runs
+the two products on the tile units (``ss::attention_forward_amx``). There the chain is the mixed
+precision pass's: float32 scores, the probabilities cast to bfloat16 for the context product (the cast
+disappears with them), and Q, K, V come biased from the QKV GEMM's epilogue. Without AMX a bfloat16
+build keeps the chain on oneDNN's AVX512-BF16 matmul: the fused kernel on AVX512-BF16 dot products ran
+slower than it (docs/toolchain.md).
 """
 from __future__ import annotations
 
+from ..backends.cpu.build import cpu_flags
 from ..ir.graph import GraphBuilder, LayerGraph, access_letters
 
 __all__ = ["AttentionChain", "find_attention", "fuse_attention", "applies_to"]
@@ -25,15 +31,17 @@ class AttentionChain:
 
     Attributes:
         scores, mask, softmax, context: the operators (``mask`` None without a mask).
-        intermediates: the temporaries that disappear (``S``, ``S_masked``, ``A``, and the biased
-            ``QKV`` when ``bias`` is set).
+        cast: the ``cast`` of the probabilities to bfloat16 between softmax and context (mixed
+            precision builds), or None.
+        intermediates: the temporaries that disappear (``S``, ``S_masked``, ``A``, ``A_bf16`` with a
+            cast, and the biased ``QKV`` when ``bias`` is set).
         bias: the ``bias`` operator whose output Q, K and V are and that only the chain reads, or None.
     """
 
-    def __init__(self, scores, mask, softmax, context, intermediates, bias=None):
+    def __init__(self, scores, mask, softmax, context, intermediates, bias=None, cast=None):
         self.scores, self.mask, self.softmax, self.context = scores, mask, softmax, context
         self.intermediates = intermediates
-        self.bias = bias
+        self.bias, self.cast = bias, cast
 
     def bytes_saved(self, graph: LayerGraph, sizes: dict[str, int], itemsize: int) -> int:
         """Bytes the fused kernel does not move at ``sizes``: each intermediate written once and read once.
@@ -50,10 +58,17 @@ class AttentionChain:
         return total
 
 
+#: CPU flags the bfloat16 kernel needs: AMX tiles with bf16 dot products, AVX512-BF16 conversions.
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+
+
 def applies_to(graph: LayerGraph, has_backward: bool) -> bool:
-    """Whether the rewrite is for this build: target ``cpu``, float32 or float64, no backward graph."""
+    """Whether the rewrite is for this build: target ``cpu``, no backward graph, and float32 or float64,
+    or bfloat16 on a CPU with :data:`AMX_FLAGS` (builds are for the machine that compiles them)."""
     cfg = graph.config
-    return cfg.target == "cpu" and cfg.dtype in ("float32", "float64") and not has_backward
+    if cfg.target != "cpu" or has_backward:
+        return False
+    return cfg.dtype in ("float32", "float64") or (cfg.dtype == "bfloat16" and AMX_FLAGS <= cpu_flags())
 
 
 def find_attention(graph: LayerGraph) -> AttentionChain | None:
@@ -81,7 +96,12 @@ def find_attention(graph: LayerGraph) -> AttentionChain | None:
         if nxt is None or nxt.kind != "softmax" or nxt.attrs.get("axis") != "K":
             continue
         softmax, (a_name, _) = nxt, graph.outputs_of(nxt)["y"]
-        context = only_reader(a_name)
+        chain.append(a_name)
+        context, cast = only_reader(a_name), None
+        if context is not None and context.kind == "cast":
+            cast, (a_low, _) = context, graph.outputs_of(context)["y"]
+            chain.append(a_low)
+            context = only_reader(a_low)
         if context is None or context.kind != "contraction" or set(graph.inputs_of(context)) != {"attn", "v"}:
             continue
         ins = graph.inputs_of(scores)
@@ -91,8 +111,9 @@ def find_attention(graph: LayerGraph) -> AttentionChain | None:
         if (letters["q"], letters["k"], letters["v"], letters["y"], letters["s"]) != (_Q, _KV, _KV, _Y, _SCORES):
             continue
         sources = {ins["q"][0], ins["k"][0], graph.inputs_of(context)["v"][0]}
-        bias = _input_bias(graph, sources, readers, {scores.label, context.label})
-        return AttentionChain(scores, mask, softmax, context, chain + [a_name] + sorted(sources if bias else ()), bias)
+        # bf16 builds add the QKV bias in the GEMM's epilogue instead
+        bias = None if cast is not None else _input_bias(graph, sources, readers, {scores.label, context.label})
+        return AttentionChain(scores, mask, softmax, context, chain + sorted(sources if bias else ()), bias, cast)
     return None
 
 
@@ -137,7 +158,7 @@ def fuse_attention(graph: LayerGraph) -> LayerGraph:
     if chain is None or chain.bytes_saved(graph, graph.config.sizes(), graph.config.itemsize) <= 0:
         return graph
     dropped = {chain.scores.label, chain.softmax.label} | ({chain.mask.label} if chain.mask is not None else set()) \
-        | ({chain.bias.label} if chain.bias is not None else set())
+        | {op.label for op in (chain.bias, chain.cast) if op is not None}
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
     for name, info in graph.tensors.items():
         if name not in chain.intermediates:

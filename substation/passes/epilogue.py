@@ -1,6 +1,9 @@
 """GEMM epilogues: a ``bias`` operator that only finishes a contraction's output moves into that
 contraction (its ``bias`` input), so the GEMM library adds the bias to the float32 accumulators before
-the result is rounded and stored.
+the result is rounded and stored; an ``activation`` that only finishes the (biased) product then moves
+there too (the contraction's ``activation`` attribute: oneDNN's ``eltwise_gelu_erf``,
+``eltwise_gelu_tanh`` or ``eltwise_relu`` post-op). That happens where the product is not kept for
+backward: in inference builds (training keeps the activation's input for its gradient).
 
 Each move saves bytes (scored as the fusion pass scores fusions, :func:`bytes_saved`): the raw product
 is neither written nor read again, the bias is read as before. A bias qualifies when the raw product has
@@ -16,7 +19,7 @@ from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops.contraction import EPILOGUE_BIAS
 from .precision import applies_to as mixed_precision
 
-__all__ = ["applies_to", "epilogue_candidates", "fuse_epilogues"]
+__all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "fuse_epilogues"]
 
 
 def applies_to(config: EncoderConfig) -> bool:
@@ -25,9 +28,9 @@ def applies_to(config: EncoderConfig) -> bool:
     return mixed_precision(config.dtype, config.target)
 
 
-def epilogue_candidates(graph: LayerGraph, protected: set[str] = frozenset()) -> dict[str, str]:
-    """Contraction label -> label of the ``bias`` operator that may become its epilogue (see the module
-    docstring); ``protected`` names tensors that must stay in memory besides the graph's own kept ones."""
+def _finishing(graph: LayerGraph, kind: str, protected: set[str]):
+    """(contraction, operator) pairs where an operator of ``kind`` is the only reader of the
+    contraction's output, reads it as it is written, and the output is a temporary nobody keeps."""
     keep = {n for n, t in graph.tensors.items() if t.role != "temp"} | set(protected)
     ops = graph.operators()
     producer = {t: op for op in ops for t, _ in graph.outputs_of(op).values()}
@@ -35,48 +38,70 @@ def epilogue_candidates(graph: LayerGraph, protected: set[str] = frozenset()) ->
     for op in ops:
         for t, _ in graph.inputs_of(op).values():
             readers.setdefault(t, []).append(op)
-    found = {}
     for op in ops:
-        if op.kind != "bias":
+        if op.kind != kind:
             continue
         raw, raw_access = graph.inputs_of(op)["x"]
         gemm = producer.get(raw)
-        if (gemm is None or gemm.kind != "contraction" or EPILOGUE_BIAS in graph.inputs_of(gemm)
-                or gemm.attrs.get("alpha", 1.0) != 1.0 or raw in keep or len(readers[raw]) != 1):
+        if gemm is None or gemm.kind != "contraction" or raw in keep or len(readers[raw]) != 1:
             continue
-        if graph.outputs_of(gemm)["y"][1] != raw_access:  # the bias reads the product as it is written
-            continue
-        found[gemm.label] = op.label
-    return found
+        if graph.outputs_of(gemm)["y"][1] == raw_access:
+            yield gemm, op
+
+
+def epilogue_candidates(graph: LayerGraph, protected: set[str] = frozenset()) -> dict[str, str]:
+    """Contraction label -> label of the ``bias`` operator that may become its epilogue (see the module
+    docstring); ``protected`` names tensors that must stay in memory besides the graph's own kept ones."""
+    return {gemm.label: op.label for gemm, op in _finishing(graph, "bias", protected)
+            if EPILOGUE_BIAS not in graph.inputs_of(gemm) and "activation" not in gemm.attrs
+            and gemm.attrs.get("alpha", 1.0) == 1.0}
+
+
+def activation_candidates(graph: LayerGraph, protected: set[str] = frozenset()) -> dict[str, str]:
+    """Contraction label -> label of the ``activation`` operator that may become its epilogue (run after
+    the biases have moved: the activation then reads the biased product the contraction writes)."""
+    return {gemm.label: op.label for gemm, op in _finishing(graph, "activation", protected)
+            if "activation" not in gemm.attrs}
 
 
 def fuse_epilogues(graph: LayerGraph, protected: set[str] = frozenset()) -> LayerGraph:
-    """``graph`` with every :func:`epilogue_candidates` bias moved into its contraction (which then
-    writes the bias operator's output); ``graph`` itself when there is none. Run on unfused graphs.
+    """``graph`` with every :func:`epilogue_candidates` bias, then every :func:`activation_candidates`
+    activation, moved into its contraction (which then writes the moved operator's output); ``graph``
+    itself when there is none. Run on unfused graphs.
 
     Raises:
         ValueError: ``graph`` already has fused row kernels.
     """
     if any(op.kind == "fused" for op in graph.operators()):
         raise ValueError("epilogues are placed before row-kernel fusion")
-    pairs = epilogue_candidates(graph, protected)
+    graph = _absorb(graph, epilogue_candidates(graph, protected))
+    return _absorb(graph, activation_candidates(graph, protected))
+
+
+def _absorb(graph: LayerGraph, pairs: dict[str, str]) -> LayerGraph:
+    """``graph`` with each contraction of ``pairs`` taking over its operator: a bias as the ``bias``
+    input, an activation as the ``activation`` attribute; the product in between disappears."""
     if not pairs:
         return graph
-    biases = {b: g for g, b in pairs.items()}
-    dropped = {graph.inputs_of(graph.find(b))["x"][0] for b in biases}
+    moved = {m: g for g, m in pairs.items()}
+    dropped = {graph.inputs_of(graph.find(m))["x"][0] for m in moved}
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
     for name, info in graph.tensors.items():
         if name not in dropped:
             b.copy_tensor(info)
     for op in graph.operators():
-        if op.label in biases:
+        if op.label in moved:
             continue
         ins = {c: f"{t}[{a}]" for c, (t, a) in graph.inputs_of(op).items()}
         outs = {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(op).items()}
+        attrs = dict(op.attrs)
         if op.label in pairs:
-            bias = graph.find(pairs[op.label])
-            bt, ba = graph.inputs_of(bias)["b"]
-            ins[EPILOGUE_BIAS] = f"{bt}[{ba}]"
-            outs = {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(bias).items()}
-        b.op(op.label, op.kind, op.op_class, ins, outs, **op.attrs)
+            finish = graph.find(pairs[op.label])
+            if finish.kind == "bias":
+                bt, ba = graph.inputs_of(finish)["b"]
+                ins[EPILOGUE_BIAS] = f"{bt}[{ba}]"
+            else:
+                attrs["activation"] = finish.attrs["function"]
+            outs = {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(finish).items()}
+        b.op(op.label, op.kind, op.op_class, ins, outs, **attrs)
     return b.finish()

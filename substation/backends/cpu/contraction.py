@@ -37,10 +37,11 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
     plan = plan_contraction(a, b, out, op.label, loop_stack=bool(in_parts))
     alpha = op.attrs.get("alpha", 1.0)
     if em.cfg.dtype == "bfloat16":
-        _emit_matmul_bf16(em, plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label))
+        _emit_matmul_bf16(em, plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label),
+                          op.attrs.get("activation"))
         return
-    if bias is not None:
-        raise ValueError(f"contraction {op.label}: a bias epilogue needs the bf16 matmul (BLAS has none)")
+    if bias is not None or "activation" in op.attrs:
+        raise ValueError(f"contraction {op.label}: an epilogue needs the bf16 matmul (BLAS has none)")
     operand = {"a": plan.a, "b": plan.b, "c": out}
 
     def call(pointers) -> str:
@@ -90,12 +91,14 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
 
 
 def emit_attention(em, op, ops: dict[str, Operand]) -> None:
-    """One ``ss::attention_forward`` call (substation_attention.h): per (B, H, query block) the scores
-    stay in a per-thread buffer. Q, K, V, Y and the biases of Q, K, V (if any) need P contiguous, the
-    mask K contiguous.
+    """One ``ss::attention_forward`` call (substation_attention.h), ``ss::attention_forward_amx`` in
+    bfloat16 builds (which return 1 with the error set when the process may not use AMX): per (B, H,
+    query block) the scores stay in a per-thread buffer. Q, K, V, Y and the biases of Q, K, V (if any)
+    need P contiguous, the mask K contiguous.
 
     Raises:
-        LayoutError: an operand without unit stride along P, a mask without unit stride along K.
+        LayoutError: an operand without unit stride along P, a mask without unit stride along K, biases
+            in a bfloat16 build.
     """
     rows_of = {"q": "J", "k": "K", "v": "K", "y": "J"}
     biases = [c for c in ("bq", "bk", "bv") if c in ops]
@@ -121,15 +124,25 @@ def emit_attention(em, op, ops: dict[str, Operand]) -> None:
             f", (int64_t)({c_expr(ops['bq'].strides['H'])})}}"
     else:
         bias = "ss::AttentionBias<T>{}"
-    em.w(f"ss::attention_forward<T>(B, H, J, K, P, T({op.attrs['alpha']!r}), {pointer(ops['q'])}, q_s_, "
-         f"{pointer(ops['k'])}, k_s_, {pointer(ops['v'])}, v_s_, {m_ptr}, {m_b}, "
-         f"{str(bool(op.attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_, {bias});")
+    args = (f"{pointer(ops['q'])}, q_s_, {pointer(ops['k'])}, k_s_, {pointer(ops['v'])}, v_s_, {m_ptr}, {m_b}, "
+            f"{str(bool(op.attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_")
+    if em.cfg.dtype == "bfloat16":  # the pass fuses bf16 attention only on CPUs with AMX
+        if biases:
+            raise LayoutError(f"{op.label}: the bf16 kernel takes Q, K, V biased (the QKV GEMM's epilogue)")
+        em.w(f"if (ss::attention_forward_amx(B, H, J, K, P, {op.attrs['alpha']!r}f, {args}) != 0) {{")
+        em.w('  ss::last_error() = "fused attention: Linux refused this process the AMX tile state '
+             '(arch_prctl ARCH_REQ_XCOMP_PERM); compile with attention=False";')
+        em.w("  return 1;")
+        em.w("}")
+        return
+    em.w(f"ss::attention_forward<T>(B, H, J, K, P, T({op.attrs['alpha']!r}), {args}, {bias});")
 
 
-def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | None) -> None:
+def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | None,
+                      activation: str | None = None) -> None:
     """oneDNN matmul calls (``ss::matmul_bf16``, substation_dnnl.h): bf16 operands, float32
-    accumulation, the bias epilogue if any, the output's dtype (bf16, or float32 for parameter
-    gradients). Batch letters both factors run along go into one batched call; a letter one factor
+    accumulation, the bias and activation epilogues if any (``activation``: a function name of
+    ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients). Batch letters both factors run along go into one batched call; a letter one factor
     lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
     broadcast factor on its reference kernel (1000x slower)."""
     inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
@@ -157,6 +170,8 @@ def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | Non
         strides = ", ".join(c_expr(s) for _, s in batched) or "0"
         epilogue = (f", ss::GemmBias{{{pointer(bias.operand, [s for _, s in looped])}, "
                     f"{c_expr(bias.m)}, {c_expr(bias.n)}, {{{strides}}}}}")
+    if activation is not None:
+        epilogue = (epilogue or ", ss::GemmBias{}") + f", ss::GemmActivation::{activation}"
     call = (f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
             f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, [b[1] for b, _ in looped])}, "
             f"{c_expr(plan.lda)}, {pointer(plan.b, [b[2] for b, _ in looped])}, {c_expr(plan.ldb)}, "
