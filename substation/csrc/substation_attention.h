@@ -268,6 +268,24 @@ static inline float amx_probabilities(float* s, bf16_t* __restrict__ p, int64_t 
   return sum == 0 ? 0.0f : 1.0f / sum;
 }
 
+// C[16 x 32] (float32, row stride ldc bytes) = sum over `steps` of A_s B_s: A_s the 16 x 32 bf16 at
+// a + 64 s (row stride lda bytes), B_s the VNNI tile pair at b + s b_step and b + s b_step + 1024 (one
+// tile for C's first 16 columns, one for the next), in accumulator tiles 0 and 1.
+static inline void amx_block_times_tile_pair(int64_t steps, const char* a, int64_t lda, const char* b,
+                                             int64_t b_step, float* c, int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t i = 0; i < steps; ++i) {
+    _tile_loadd(4, a + i * 64, lda);
+    _tile_loadd(5, b + i * b_step, 64);
+    _tile_loadd(6, b + i * b_step + 1024, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  _tile_stored(0, c, ldc);
+  _tile_stored(1, c + 16, ldc);
+}
+
 // The bf16 attention on AMX; arguments as attention_forward's (no biases: bf16 builds add them in the
 // QKV GEMM's epilogue). Per (b, h): K^T and V packed as tiles, then blocks of 16 queries: scores in
 // two float32 accumulator tiles at a time, the probabilities of the block in bf16, the context in two
@@ -302,34 +320,16 @@ static inline int attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_t
             for (int64_t r = 0; r < nj; ++r) std::memcpy(qr.data() + r * Pp, qb + r * q_ld, sizeof(bf16_t) * P);
             qb = qr.data(), q_ld = Pp;
           }
-          for (int64_t nb = 0; nb < key_blocks; nb += 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t pb = 0; pb < Pp / 32; ++pb) {
-              _tile_loadd(4, qb + pb * 32, q_ld * sizeof(bf16_t));
-              _tile_loadd(5, kt.data() + (pb * key_blocks + nb) * 256, 64);
-              _tile_loadd(6, kt.data() + (pb * key_blocks + nb + 1) * 256, 64);
-              _tile_dpbf16ps(0, 4, 5);
-              _tile_dpbf16ps(1, 4, 6);
-            }
-            _tile_stored(0, s.data() + nb * 16, Kp * sizeof(float));
-            _tile_stored(1, s.data() + nb * 16 + 16, Kp * sizeof(float));
-          }
+          const char* keys = reinterpret_cast<const char*>(kt.data());
+          for (int64_t nb = 0; nb < key_blocks; nb += 2)
+            amx_block_times_tile_pair(Pp / 32, reinterpret_cast<const char*>(qb), q_ld * sizeof(bf16_t),
+                                      keys + nb * 1024, key_blocks * 1024, s.data() + nb * 16, Kp * sizeof(float));
           for (int64_t r = 0; r < nj; ++r)
             inv[r] = amx_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
-          for (int64_t cb = 0; cb < col_blocks; cb += 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t kb = 0; kb < Kp / 32; ++kb) {
-              _tile_loadd(4, pr.data() + kb * 32, Kp * sizeof(bf16_t));
-              _tile_loadd(5, vt.data() + (kb * col_blocks + cb) * 512, 64);
-              _tile_loadd(6, vt.data() + (kb * col_blocks + cb + 1) * 512, 64);
-              _tile_dpbf16ps(0, 4, 5);
-              _tile_dpbf16ps(1, 4, 6);
-            }
-            _tile_stored(0, o.data() + cb * 16, Pp * sizeof(float));
-            _tile_stored(1, o.data() + cb * 16 + 16, Pp * sizeof(float));
-          }
+          const char* values = reinterpret_cast<const char*>(vt.data());
+          for (int64_t cb = 0; cb < col_blocks; cb += 2)
+            amx_block_times_tile_pair(Kp / 32, reinterpret_cast<const char*>(pr.data()), Kp * sizeof(bf16_t),
+                                      values + cb * 1024, col_blocks * 1024, o.data() + cb * 16, Pp * sizeof(float));
           bf16_t* yb = y + b * y_s[0] + j0 * y_s[1] + h * y_s[2];
           for (int64_t r = 0; r < nj; ++r) {
             const float* row = o.data() + r * Pp;
