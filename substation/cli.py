@@ -262,16 +262,15 @@ def cmd_bench(args) -> int:
         return cmd_compare_layouts(args)
     if args.attention_lengths is not None:
         from .perf import bench_attention
-        if args.kernels or args.mode == "eval" or args.dtype or args.layout or args.batch_size or args.seq_len \
-                or args.plot:
+        if args.kernels or args.mode == "eval" or args.layout or args.batch_size or args.seq_len or args.plot:
             print("substation: error: --attention-lengths times the inference build at those lengths (B keeps the "
-                  "config's token count); it takes no --kernels, --mode, --dtype, --layout, --batch-size, "
+                  "config's token count); it takes no --kernels, --mode, --layout, --batch-size, "
                   "--seq-len or --plot", file=sys.stderr)
             return 2
         try:
             lengths = [int(n) for n in args.attention_lengths.split(",")]
             result = bench_attention.run_bench_attention(
-                args.config, lengths, repeats=args.repeats, warmup=args.warmup,
+                args.config, lengths, repeats=args.repeats, warmup=args.warmup, dtype=args.dtype,
                 progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         except ValueError as e:
             print(f"substation: error: {e}", file=sys.stderr)

@@ -245,3 +245,25 @@ def test_amx_kernel_shapes_masks_and_causal(tmp_path):
         if sdpa is not None:
             sdpa_err = (sdpa.transpose(1, 2).double() - exact[live]).abs().max().item()
             assert (y[live].double() - exact[live]).abs().max().item() <= 2 * sdpa_err + 1e-6
+
+
+def test_bench_attention_bf16(tmp_path, capsys, monkeypatch):
+    """``--attention-lengths --dtype bfloat16``: on AMX the bytes saved are S (float32) and the bf16
+    probabilities, each written and read once; without AMX a clear refusal."""
+    import json
+
+    from substation.cli import main
+    from substation.perf import bench_attention
+    if AMX_FLAGS <= cpu_flags():
+        out = tmp_path / "attention.json"
+        assert main(["bench", "tiny", "--attention-lengths", "40", "--dtype", "bfloat16", "--repeats", "2",
+                     "--warmup", "0", "--json", str(out)]) == 0
+        r = json.loads(out.read_text())
+        (row,) = r["lengths"]
+        assert r["config"]["dtype"] == "bfloat16"
+        scores = row["batch_size"] * TINY.num_heads * 40 * 40
+        assert row["bytes_saved"] == 2 * scores * 4 + 2 * scores * 2
+        assert row["attention_seconds"]["fused"]["median"] > 0
+    monkeypatch.setattr(bench_attention, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert main(["bench", "tiny", "--attention-lengths", "40", "--dtype", "bfloat16"]) == 2
+    assert "runs on AMX; this CPU lacks amx_bf16, amx_tile" in capsys.readouterr().err

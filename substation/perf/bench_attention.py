@@ -1,9 +1,9 @@
 """Fused against unfused attention in the inference build (``substation bench CONFIG --attention-lengths``).
 
 For each sequence length L, :func:`run_bench_attention` builds the config's forward-only library twice
-(instrumented, float32 or float64 as the config says): with the ``attention`` kernel
-(:mod:`substation.passes.attention`) and with the chain (Q/K/V bias where the kernel takes it, scores,
-mask + softmax (MS), context) kept apart (``PipelineOptions.attention=False``), and times both in
+(instrumented, float32 or float64 as the config says, or bfloat16 on a CPU with AMX): with the
+``attention`` kernel (:mod:`substation.passes.attention`) and with the chain (Q/K/V bias where the kernel
+takes it, scores, mask + softmax (MS), context) kept apart (``PipelineOptions.attention=False``), and times both in
 interleaved rounds in one process. It
 reports per L: the bytes the attention operators move (the analysis' counts), the workspace each
 library needs, the attention operators' time (per-operator timers) and the whole layer's forward time,
@@ -17,7 +17,9 @@ from __future__ import annotations
 import ctypes
 from typing import Callable
 
+from ..backends.cpu.build import cpu_flags
 from ..config import EncoderConfig, load_config
+from ..passes.attention import AMX_FLAGS
 from .analysis import operator_count
 from .probes import machine_info
 from .timing import interleaved_rounds, sample_stats, set_substation_threads
@@ -49,11 +51,12 @@ def _inputs(graph, config: EncoderConfig, batch: int, seq: int) -> dict:
 
 
 def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int = 1,
-                        progress: Callable[[str], None] | None = None) -> dict:
+                        progress: Callable[[str], None] | None = None, dtype: str | None = None) -> dict:
     """Time the fused attention kernel against the unfused chain (see the module docstring).
 
     Args:
-        config: a config, YAML path or bundled name (target ``cpu``, float32 or float64).
+        config: a config, YAML path or bundled name (target ``cpu``, float32 or float64, or bfloat16
+            on a CPU with AMX). dtype: replaces the config's dtype, when given.
         lengths: sequence lengths L, each >= 1.
         repeats: interleaved rounds per length, >= 1. warmup: untimed calls of each first, >= 0.
         progress: called with a short message before each phase.
@@ -67,21 +70,26 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
 
     Raises:
         ValueError: repeats < 1, warmup < 0, an empty or non-positive length, or a config the fused
-            kernel is not for (target cuda, bfloat16).
+            kernel is not for (target cuda, float16, bfloat16 on a CPU without AMX).
         ConfigError, FileNotFoundError, ToolchainError, BuildError: from loading and compiling.
     """
     import torch
 
     from ..pipeline import cached_compile
     config = load_config(config)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     lengths = tuple(int(n) for n in lengths)
     if not lengths or min(lengths) < 1:
         raise ValueError(f"need sequence lengths >= 1, got {list(lengths)}")
-    if config.target != "cpu" or config.dtype not in ("float32", "float64"):
-        raise ValueError(f"the fused attention kernel is for float32 and float64 CPU builds; the config is "
-                         f"{config.dtype} for target {config.target}")
+    if config.target != "cpu" or config.dtype not in ("float32", "float64", "bfloat16"):
+        raise ValueError(f"the fused attention kernel is for float32, float64 and bfloat16 CPU builds; the config "
+                         f"is {config.dtype} for target {config.target}")
+    if config.dtype == "bfloat16" and not AMX_FLAGS <= cpu_flags():
+        raise ValueError(f"the bfloat16 fused attention runs on AMX; this CPU lacks "
+                         f"{', '.join(sorted(AMX_FLAGS - cpu_flags()))}")
     say = progress or (lambda msg: None)
     machine = machine_info()
     torch.set_num_threads(machine["threads"])
