@@ -500,3 +500,41 @@ def test_fine_tuning_loss_under_bfloat16_follows_pytorch_autocast():
     assert mine[-10:].mean() < 0.7 * mine[:10].mean() and theirs[-10:].mean() < 0.7 * theirs[:10].mean()
     window = lambda c: c.unfold(0, 10, 10).mean(1)  # noqa: E731 - means over 10 steps
     assert float((window(mine) - window(theirs)).abs().max()) < 0.15, (window(mine), window(theirs))
+
+
+def test_layers_of_one_build_run_at_once_from_several_threads():
+    """Two layers with different weights share one bf16 build (as optimize() gives every layer of a
+    model); two Python threads calling them at once get what each gets alone, in inference (the AMX
+    attention where there is AMX) and in a training step (oneDNN's scratchpad is per calling thread)."""
+    import threading
+
+    compiled = cached_compile(_tiny(dtype="float32", hidden_size=96, num_heads=3, ffn_size=192,
+                                    max_seq_len=40, name="tiny-threads", dropout=NO_DROPOUT))
+    torch.manual_seed(3)
+    layers = [EncoderLayer(compiled) for _ in range(2)]
+    xs = [torch.randn(3, 40, 96) for _ in range(2)]
+
+    def infer(i):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return layers[i](xs[i])
+
+    def train(i):
+        x = xs[i].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layers[i](x)
+        y.backward(torch.ones_like(y))
+        return x.grad
+
+    for step in (infer, train):
+        alone = [step(i) for i in range(2)]
+        worst = [0.0, 0.0]
+
+        def work(i):
+            for _ in range(60):
+                worst[i] = max(worst[i], float((step(i) - alone[i]).abs().max()))
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert worst == [0.0, 0.0], (step.__name__, worst)

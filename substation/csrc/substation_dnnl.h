@@ -4,6 +4,9 @@
 //
 // One engine per process, one stream per thread, and one primitive per distinct call (shape, strides,
 // scale, result type), created on first use and kept: creating a primitive costs more than a small GEMM.
+// Primitives take a user scratchpad, one buffer per calling thread: with oneDNN's own (library)
+// scratchpad, which a default build shares between primitives, two Python threads running layers at once
+// overwrote each other's packed blocks.
 #pragma once
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -48,7 +51,7 @@ inline std::string& last_error() {
 
 struct MatmulEntry {
   dnnl::matmul primitive;
-  dnnl::memory::desc a, b, c, bias;
+  dnnl::memory::desc a, b, c, bias, scratchpad;
 };
 
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
@@ -113,6 +116,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         const memory::desc a_md(ad, memory::data_type::bf16, as), b_md(bd, memory::data_type::bf16, bs);
         const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : memory::data_type::bf16, cs);
         dnnl::primitive_attr attr;
+        attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
         dnnl::post_ops ops;
         if (alpha != 1.0f)  // the scale on the float32 accumulators, before rounding to bf16
           ops.append_eltwise(dnnl::algorithm::eltwise_linear, alpha, 0.0f);
@@ -127,7 +131,8 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         const dnnl::matmul::primitive_desc pd =
             with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_md, bias_md, c_md, attr)
                       : dnnl::matmul::primitive_desc(engine, a_md, b_md, c_md, attr);
-        found = primitives.emplace(key, MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md}).first;
+        found = primitives.emplace(key, MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md,
+                                                    pd.scratchpad_desc()}).first;
       }
       entry = &found->second;  // std::map nodes never move
     }
@@ -135,6 +140,9 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
                                             {DNNL_ARG_WEIGHTS, memory(entry->b, engine, const_cast<bf16_t*>(b))},
                                             {DNNL_ARG_DST, memory(entry->c, engine, c)}};
     if (with_bias) args.emplace(DNNL_ARG_BIAS, memory(entry->bias, engine, const_cast<bf16_t*>(bias.data)));
+    static thread_local std::vector<uint8_t> scratchpad;
+    if (scratchpad.size() < entry->scratchpad.get_size()) scratchpad.resize(entry->scratchpad.get_size());
+    if (!scratchpad.empty()) args.emplace(DNNL_ARG_SCRATCHPAD, memory(entry->scratchpad, engine, scratchpad.data()));
     entry->primitive.execute(stream, args);
     stream.wait();
     return 0;
