@@ -18,7 +18,7 @@
 #pragma once
 
 #include <mkl_cblas.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -220,8 +220,7 @@ static inline void amx_pack_values(int64_t K, int64_t P, const bf16_t* v, int64_
   const int64_t blocks = Pp / 16;
   for (int64_t kb = 0; kb < Kp / 32; ++kb)
     for (int64_t cb = 0; cb < blocks; ++cb) {
-      const int64_t cols = std::max<int64_t>(0, std::min<int64_t>(16, P - cb * 16));
-      const __mmask16 live = cols == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+      const __mmask16 live = first_lanes(P - cb * 16);
       bf16_t* tile = tiles + (kb * blocks + cb) * 512;
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t key = kb * 32 + 2 * r;
@@ -244,7 +243,7 @@ static inline float amx_probabilities(float* s, bf16_t* __restrict__ p, int64_t 
   const __m512 scale = _mm512_set1_ps(alpha);
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < live; i += 16) {
-    const __mmask16 tail = live - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (live - i)) - 1);
+    const __mmask16 tail = first_lanes(live - i);
     __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), scale);
     if (mask) {
       const __m256i m = _mm256_maskz_loadu_epi16(tail, mask + i);
@@ -258,8 +257,7 @@ static inline float amx_probabilities(float* s, bf16_t* __restrict__ p, int64_t 
   const __m512 shift = _mm512_set1_ps(top);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < Kp; i += 16) {
-    const __mmask16 tail = live - i >= 16 ? (__mmask16)0xFFFF
-                         : live > i ? (__mmask16)((1u << (live - i)) - 1) : (__mmask16)0;
+    const __mmask16 tail = first_lanes(live - i);
     const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift), tail);
     acc = _mm512_add_ps(acc, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));

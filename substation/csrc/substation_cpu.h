@@ -178,6 +178,11 @@ static inline float rsqrt_(float x) { return 1.0f / std::sqrt(x); }
 static inline double rsqrt_(double x) { return 1.0 / std::sqrt(x); }
 
 #if defined(__AVX512F__)
+// The mask of the first n of 16 lanes (none for n <= 0, all for n >= 16): the tail of a row.
+static inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1) : (__mmask16)0;
+}
+
 // exp_ of the lanes of t that `tail` selects (zero in the others): the vector form exp_shifted_row and
 // the fused attention's softmax share.
 static inline __m512 exp_lanes(__m512 t, __mmask16 tail) {
@@ -206,7 +211,7 @@ static inline float exp_shifted_row(const float* __restrict__ x, float* __restri
   const __m512 m = _mm512_set1_ps(mx);
   __m512 acc = _mm512_setzero_ps();
   for (; i < n; i += 16) {
-    const __mmask16 tail = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 tail = first_lanes(n - i);
     const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), m), tail);
     _mm512_mask_storeu_ps(y + i, tail, e);
     acc = _mm512_add_ps(acc, e);
@@ -339,7 +344,7 @@ static inline void gemm_small_pack(bool trans_b, int64_t n, int64_t k, const flo
       for (int64_t half = 0; half < 32; half += 16)
         for (int64_t p0 = 0; p0 < k; p0 += 16) {
           const int64_t cols = std::min<int64_t>(16, k - p0);
-          const __mmask16 live = (__mmask16)(cols == 16 ? 0xFFFFu : (1u << cols) - 1);
+          const __mmask16 live = first_lanes(cols);
           const __m512 shift = add ? _mm512_maskz_loadu_ps(live, add + p0) : _mm512_setzero_ps();
           __m512 r[16];
           for (int64_t j = 0; j < 16; ++j)
@@ -370,8 +375,8 @@ static inline void gemm_small_packed(bool trans_a, int64_t m, int64_t n, int64_t
   const int64_t rs_a = trans_a ? 1 : lda, cs_a = trans_a ? lda : 1;
   for (int64_t jp = 0; jp < panels; ++jp) {
     const int64_t j0 = jp * 32, w = std::min<int64_t>(32, n - j0);
-    const __mmask16 m0 = (__mmask16)(w >= 16 ? 0xFFFFu : (1u << w) - 1);
-    const __mmask16 m1 = (__mmask16)(w >= 32 ? 0xFFFFu : w > 16 ? (1u << (w - 16)) - 1 : 0u);
+    const __mmask16 m0 = first_lanes(w);
+    const __mmask16 m1 = first_lanes(w - 16);
     const float* panel = pack + 32 * jp * k;
     int64_t i = 0;
     for (; i + 8 <= m; i += 8) gemm_small_block<8>(k, a + i * rs_a, rs_a, cs_a, panel, alpha, c + i * ldc + j0, ldc, m0, m1);

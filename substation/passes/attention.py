@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..backends.cpu.build import cpu_flags
 from ..ir.graph import GraphBuilder, LayerGraph, access_letters
 
-__all__ = ["AttentionChain", "find_attention", "fuse_attention", "applies_to"]
+__all__ = ["AMX_FLAGS", "AttentionChain", "applies_to", "find_attention", "fuse_attention", "missing_amx_flags"]
 
 _Q, _KV, _Y, _SCORES = frozenset("BJHP"), frozenset("BKHP"), frozenset("BJHP"), frozenset("BHJK")
 
@@ -62,13 +62,18 @@ class AttentionChain:
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
 
 
+def missing_amx_flags() -> frozenset[str]:
+    """The :data:`AMX_FLAGS` this CPU lacks (``/proc/cpuinfo``); empty where the bfloat16 kernel runs."""
+    return AMX_FLAGS - cpu_flags()
+
+
 def applies_to(graph: LayerGraph, has_backward: bool) -> bool:
     """Whether the rewrite is for this build: target ``cpu``, no backward graph, and float32 or float64,
     or bfloat16 on a CPU with :data:`AMX_FLAGS` (builds are for the machine that compiles them)."""
     cfg = graph.config
     if cfg.target != "cpu" or has_backward:
         return False
-    return cfg.dtype in ("float32", "float64") or (cfg.dtype == "bfloat16" and AMX_FLAGS <= cpu_flags())
+    return cfg.dtype in ("float32", "float64") or (cfg.dtype == "bfloat16" and not missing_amx_flags())
 
 
 def find_attention(graph: LayerGraph) -> AttentionChain | None:

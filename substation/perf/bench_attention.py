@@ -17,9 +17,8 @@ from __future__ import annotations
 import ctypes
 from typing import Callable
 
-from ..backends.cpu.build import cpu_flags
 from ..config import EncoderConfig, load_config
-from ..passes.attention import AMX_FLAGS
+from ..passes.attention import missing_amx_flags
 from .analysis import operator_count
 from .probes import machine_info
 from .timing import interleaved_rounds, sample_stats, set_substation_threads
@@ -87,9 +86,9 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
     if config.target != "cpu" or config.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"the fused attention kernel is for float32, float64 and bfloat16 CPU builds; the config "
                          f"is {config.dtype} for target {config.target}")
-    if config.dtype == "bfloat16" and not AMX_FLAGS <= cpu_flags():
-        raise ValueError(f"the bfloat16 fused attention runs on AMX; this CPU lacks "
-                         f"{', '.join(sorted(AMX_FLAGS - cpu_flags()))}")
+    missing = missing_amx_flags() if config.dtype == "bfloat16" else frozenset()
+    if missing:
+        raise ValueError(f"the bfloat16 fused attention runs on AMX; this CPU lacks {', '.join(sorted(missing))}")
     say = progress or (lambda msg: None)
     machine = machine_info()
     torch.set_num_threads(machine["threads"])

@@ -142,7 +142,8 @@ def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | Non
                       activation: str | None = None) -> None:
     """oneDNN matmul calls (``ss::matmul_bf16``, substation_dnnl.h): bf16 operands, float32
     accumulation, the bias and activation epilogues if any (``activation``: a function name of
-    ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients). Batch letters both factors run along go into one batched call; a letter one factor
+    ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients). Batch
+    letters both factors run along go into one batched call; a letter one factor
     lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
     broadcast factor on its reference kernel (1000x slower)."""
     inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
