@@ -538,3 +538,59 @@ def test_layers_of_one_build_run_at_once_from_several_threads():
         for t in threads:
             t.join()
         assert worst == [0.0, 0.0], (step.__name__, worst)
+
+
+_PRIMITIVE_CACHE_HARNESS = r"""
+#include "substation_dnnl.h"
+extern "C" {
+// C[m, 8] = A[m, 16] B[16, 8] for m = 1 .. count (a new primitive each): the largest error against
+// the exact products of small integers (exact in bf16 and float32), or -1 when a call failed.
+double distinct_shapes(int count) {
+  double worst = 0;
+  for (int m = 1; m <= count; ++m) {
+    std::vector<ss::bf16_t> a(m * 16), b(16 * 8);
+    std::vector<float> c(m * 8);
+    for (int i = 0; i < m * 16; ++i) a[i] = ss::float_to_bf16((float)((i * 7 + m) % 5 - 2));
+    for (int i = 0; i < 16 * 8; ++i) b[i] = ss::float_to_bf16((float)((i * 3) % 7 - 3));
+    if (ss::matmul_bf16(false, false, m, 8, 16, 1.0f, a.data(), 16, b.data(), 8, c.data(), 8, true, ss::GemmBatch{}))
+      return -1;
+    for (int r = 0; r < m; ++r)
+      for (int n = 0; n < 8; ++n) {
+        double exact = 0;
+        for (int k = 0; k < 16; ++k) exact += ss::bf16_to_float(a[r * 16 + k]) * ss::bf16_to_float(b[k * 8 + n]);
+        worst = std::max(worst, std::abs(exact - c[r * 8 + n]));
+      }
+  }
+  return worst;
+}
+long cached() { return (long)ss::matmul_cache().size(); }
+// Least-recently-used order: fill the cache with keys 0.., touch key 0, add one more: key 1 goes, key 0
+// stays; an evicted entry a caller still holds stays valid. Returns 0 when all holds.
+int lru_order() {
+  ss::MatmulCache cache;
+  auto held = std::make_shared<const ss::MatmulEntry>();
+  for (int64_t i = 0; i < (int64_t)ss::kMatmulPrimitives; ++i)
+    cache.insert({i}, i == 1 ? held : std::make_shared<const ss::MatmulEntry>());
+  if (cache.size() != ss::kMatmulPrimitives || !cache.find({0})) return 1;
+  cache.insert({-1}, std::make_shared<const ss::MatmulEntry>());
+  if (cache.size() != ss::kMatmulPrimitives) return 2;
+  if (cache.find({1}) || !cache.find({0}) || !cache.find({-1})) return 3;
+  return held.use_count() == 1 ? 0 : 4;
+}
+}
+"""
+
+
+def test_onednn_primitives_are_kept_in_a_bounded_least_recently_used_cache():
+    """ss::matmul_bf16 keeps at most kMatmulPrimitives primitives (each holds JIT kernels: without a
+    bound, a caller with ever new batch shapes grows memory without end), evicting the least recently
+    used; results stay exact across evictions."""
+    import ctypes
+    lib = ctypes.CDLL(cpu_build.build_library(_PRIMITIVE_CACHE_HARNESS, "primitive_cache", with_onednn=True).path)
+    lib.distinct_shapes.restype = ctypes.c_double
+    lib.cached.restype = ctypes.c_long
+    assert lib.lru_order() == 0
+    # one cache per process (g++ makes an inline function's statics unique across libraries): builds
+    # loaded before may hold entries already
+    assert lib.distinct_shapes(100) == 0.0 and 100 <= lib.cached() <= 256
+    assert lib.distinct_shapes(300) == 0.0 and lib.cached() == 256  # m = 1..300 again: 200 new

@@ -136,6 +136,8 @@ BAD_CALLS = [
     (lambda l, x: l(x, attention_mask=torch.randn(2, 1, 7, 7, dtype=torch.float64)), ValueError, "differs between queries"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, r"attention_mask must have shape \[B, K\] = \[2, 7\], \[B, 1, 1, K\] or \[B, 1, J, K\]"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, "unsupported attention_mask dtype torch.complex64"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7).index_fill_(1, torch.tensor([3]), float("nan"))), ValueError, "holds NaN or"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 1, 1, 7).index_fill_(3, torch.tensor([6]), float("inf"))), ValueError, r"holds NaN or \+inf"),
 ]
 
 
@@ -286,6 +288,37 @@ def test_freed_memory_is_kept_between_steps(monkeypatch):
         layer(x).sum().backward()
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
     assert faults < 50, faults  # without it: one fault per freshly mapped 4 KiB page of saved tensors
+
+
+def test_a_layer_nobody_holds_is_freed_but_a_pending_backward_keeps_it(tiny_nodrop):
+    """The operators' registry holds layers weakly: a layer of its own build (``substation.compile``)
+    and its workspace are freed once the last module holding it goes; an output whose backward has not
+    run yet keeps its layer alive until then."""
+    import gc
+    import weakref
+
+    import substation
+    from substation.runtime.library import registered_layer
+    layer = substation.compile(tiny_nodrop)
+    x = torch.randn(2, 7, tiny_nodrop.hidden_size, dtype=layer.torch_dtype, requires_grad=True)
+    layer(x)
+    key, alive = layer.compiled.key, weakref.ref(layer.compiled)
+    del layer
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(KeyError, match="freed"):
+        registered_layer(key)
+    layer = substation.compile(tiny_nodrop)
+    expected = torch.autograd.grad(layer(x).square().sum(), x)[0]
+    y = layer(x)
+    alive = weakref.ref(layer.compiled)
+    del layer
+    gc.collect()
+    assert alive() is not None
+    assert torch.equal(torch.autograd.grad(y.square().sum(), x)[0], expected)
+    del y
+    gc.collect()
+    assert alive() is None
 
 
 def test_deepcopy_and_pickle(tiny_nodrop, tmp_path):

@@ -3,7 +3,9 @@
 // stay float32). oneDNN runs them on AMX tiles where the CPU has them, else on AVX512-BF16.
 //
 // One engine per process, one stream per thread, and one primitive per distinct call (shape, strides,
-// scale, result type), created on first use and kept: creating a primitive costs more than a small GEMM.
+// scale, result type), created on first use and kept in a least-recently-used cache of
+// kMatmulPrimitives entries: creating a primitive costs more than a small GEMM, and each holds its JIT
+// kernels (about 0.2 MiB), so a caller with ever new batch shapes must not grow memory without bound.
 // Primitives take a user scratchpad, one buffer per calling thread: with oneDNN's own (library)
 // scratchpad, which a default build shares between primitives, two Python threads running layers at once
 // overwrote each other's packed blocks.
@@ -12,8 +14,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -54,6 +59,51 @@ struct MatmulEntry {
   dnnl::memory::desc a, b, c, bias, scratchpad;
 };
 
+// Primitives kept at most: a BERT layer's forward, backward and inference builds call about 30 distinct
+// shapes per (B, J), shared by all layers of a config, so this holds several batch shapes at once.
+constexpr size_t kMatmulPrimitives = 256;
+
+// The primitive cache: key -> entry, most recently used first. Entries are shared pointers, so one
+// evicted while another thread still runs it stays alive until that call ends. Not thread-safe by itself.
+class MatmulCache {
+ public:
+  using Key = std::vector<int64_t>;
+
+  std::shared_ptr<const MatmulEntry> find(const Key& key) {
+    const auto found = index_.find(key);
+    if (found == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, found->second);
+    return found->second->second;
+  }
+
+  void insert(const Key& key, std::shared_ptr<const MatmulEntry> entry) {
+    order_.emplace_front(key, std::move(entry));
+    index_[key] = order_.begin();
+    while (order_.size() > kMatmulPrimitives) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+  }
+
+  size_t size() const { return order_.size(); }
+
+ private:
+  std::list<std::pair<Key, std::shared_ptr<const MatmulEntry>>> order_;
+  std::map<Key, decltype(order_)::iterator> index_;
+};
+
+// oneDNN keeps a cache of its own (1024 primitives by default) that holds each primitive's kernels
+// after this one evicts it: it gets the same capacity, unless the user set ONEDNN_PRIMITIVE_CACHE_CAPACITY.
+inline MatmulCache& matmul_cache() {
+  static MatmulCache cache;
+  static const bool bounded = [] {
+    if (!std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")) dnnl::set_primitive_cache_capacity((int)kMatmulPrimitives);
+    return true;
+  }();
+  (void)bounded;
+  return cache;
+}
+
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
 // dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; C is float32 when c_f32,
 // else bf16. A bias (bias.data set) needs alpha 1 (oneDNN scales after the bias). Returns 0, or 1 with
@@ -67,7 +117,6 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     static thread_local dnnl::stream stream(engine);
     static std::mutex lock;
-    static std::map<std::vector<int64_t>, MatmulEntry> primitives;
     int32_t alpha_bits;
     std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
     std::vector<int64_t> key = {trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
@@ -79,11 +128,11 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       return 1;
     }
     key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation});
-    const MatmulEntry* entry;
+    std::shared_ptr<const MatmulEntry> entry;
     {
       std::lock_guard<std::mutex> guard(lock);
-      auto found = primitives.find(key);
-      if (found == primitives.end()) {
+      entry = matmul_cache().find(key);
+      if (!entry) {
         memory::dims ad, as, bd, bs, cd, cs, biasd, biass;
         for (int i = 0; i < batch.count; ++i) {
           if (!batch.a[i] || !batch.b[i] || !batch.c[i])
@@ -131,10 +180,10 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         const dnnl::matmul::primitive_desc pd =
             with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_md, bias_md, c_md, attr)
                       : dnnl::matmul::primitive_desc(engine, a_md, b_md, c_md, attr);
-        found = primitives.emplace(key, MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md,
-                                                    pd.scratchpad_desc()}).first;
+        entry = std::make_shared<const MatmulEntry>(
+            MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md, pd.scratchpad_desc()});
+        matmul_cache().insert(key, entry);
       }
-      entry = &found->second;  // std::map nodes never move
     }
     std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<bf16_t*>(a))},
                                             {DNNL_ARG_WEIGHTS, memory(entry->b, engine, const_cast<bf16_t*>(b))},

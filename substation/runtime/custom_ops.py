@@ -38,10 +38,14 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
 
     Raises:
-        ValueError: a ``[B, 1, J, K]`` mask whose rows differ between queries.
+        ValueError: a ``[B, 1, J, K]`` mask whose rows differ between queries; a float mask holding NaN
+        or +inf (every score it touches would be NaN).
     """
     if mask is None:
         return None
+    if mask.is_floating_point() and bool((mask.isnan() | (mask == float("inf"))).any()):
+        raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
+                         "large negative value, attended keys 0")
     if mask.dim() == 4:
         if mask.shape[2] > 1 and mask.stride(2) != 0 and not bool((mask == mask[:, :, :1, :]).all()):
             raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
@@ -167,6 +171,7 @@ def _layer_setup_context(ctx, inputs, output):
            **dict(zip(cast_names, output[len(produced):]))}
     ctx.save_for_backward(seed, *(env[n] for n in compiled.saved_names))
     ctx.key, ctx.training = compiled.key, training
+    ctx.compiled = compiled  # the registry holds layers weakly: keep this one until backward has run
     ctx.shapes = (x.shape, [p.shape for p in params], x.dtype)
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import math
 import os
 import re
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -334,15 +336,19 @@ class CompiledLayer:
         return ["Y"] + [n for n in names if n != "Y"]
 
 
-# Operators take no Python objects: they reach their layer's libraries through a per-process key.
-_REGISTRY: dict[str, CompiledLayer] = {}
+# Operators take no Python objects: they reach their layer's libraries through a per-process key. The
+# registry holds layers weakly, so a layer nobody uses any more (and its workspaces) is freed; a pending
+# backward keeps its layer alive through the autograd context.
+_REGISTRY: "weakref.WeakValueDictionary[str, CompiledLayer]" = weakref.WeakValueDictionary()
+_REGISTRY_KEYS = itertools.count()
 _REGISTRY_LOCK = threading.Lock()
 
 
 def register_layer(compiled: CompiledLayer) -> str:
-    """A new per-process key under which :func:`registered_layer` finds ``compiled``."""
+    """A new per-process key under which :func:`registered_layer` finds ``compiled`` while it is alive
+    (the registry holds it weakly)."""
     with _REGISTRY_LOCK:
-        key = f"{compiled.config.name}#{len(_REGISTRY)}"
+        key = f"{compiled.config.name}#{next(_REGISTRY_KEYS)}"
         _REGISTRY[key] = compiled
     return key
 
@@ -351,6 +357,10 @@ def registered_layer(key: str) -> CompiledLayer:
     """The layer registered under ``key``.
 
     Raises:
-        KeyError: no layer has that key in this process.
+        KeyError: no living layer has that key in this process (never registered, or freed since).
     """
-    return _REGISTRY[key]
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise KeyError(f"no compiled layer {key!r} in this process (it was freed, or belongs to another "
+                       f"process)") from None
