@@ -62,6 +62,17 @@ def test_masks_that_pack_and_masks_that_do_not():
     assert packed is not None and packed.rows == b * j
     assert sum(sum(g.lengths) for g in packed.groups) == 9 + 5 + 7  # row 3 has no group
     assert set(packed.real_rows.tolist()) == set(torch.nonzero((mask == 0).flatten()).flatten().tolist())
+    # every slot reads a row of its own sequence: its real tokens in order, then the sequence's first token
+    slots = packed.gather.tolist()
+    for group in packed.groups:
+        for k, n in enumerate(group.lengths):
+            first = group.start + k * group.seq
+            rows = slots[first:first + group.seq]
+            assert len({r // j for r in rows}) == 1 and rows[n:] == [rows[0]] * (group.seq - n)
+            assert all(real.flatten()[r] for r in rows[:n]) and rows[:n] == sorted(rows[:n])
+    assert [slots[s] for s in packed.real_slots.tolist()] == packed.real_rows.tolist()
+    assert sorted(packed.pad_rows.tolist() + packed.real_rows.tolist()) == list(range(b * j))
+    assert packed.every_slot_real == (packed.slots == 9 + 5 + 7)
     soft = torch.zeros(b, j, dtype=torch.float64)
     soft[0, 3] = -2.0  # a soft bias is not padding
     assert real_tokens(soft) is None
@@ -104,6 +115,30 @@ def test_padded_batch_in_inference_runs_real_tokens_only(monkeypatch):
     y_grad = layer(x.clone().requires_grad_(), key_padding_mask=pad)
     assert calls == [(b, j)]
     assert rel(y_grad[real], want[real]) <= 1e-13
+
+
+def test_a_mask_changed_in_place_between_calls_is_seen(monkeypatch):
+    """The layers of a model share the packing of one mask (kept per thread, compared by value): a mask
+    edited in place, a new mask of the same shape and other layers' calls all get their own packing."""
+    layer = make_layer(TINY).eval()
+    ref = reference_for(layer).eval()
+    torch.manual_seed(3)
+    x = torch.randn(4, 10, TINY.hidden_size, dtype=torch.float64)
+    attend = torch.ones(4, 10, dtype=torch.bool)
+    attend[1, 6:] = False
+    attend[3, 2:] = False
+    calls = _counting(monkeypatch)
+    with torch.inference_mode():
+        for edit in (None, (2, slice(4, None)), (1, slice(None))):  # the last call: row 1 fully attends again
+            if edit is not None:
+                attend[edit] = edit[0] == 1
+            calls.clear()
+            y = layer(x, attention_mask=attend)
+            want = ref(x, torch.zeros(4, 10, dtype=torch.float64).masked_fill(~attend, float("-inf")))
+            assert rel(y[attend], want[attend]) <= 1e-13 and float(y[~attend].abs().max()) == 0.0
+            fresh = pack_key_mask(attend.clone(), TINY)  # the packing of this mask, computed anew
+            assert sum(n * s for n, s in calls) == (40 if fresh is None else fresh.slots)
+        assert torch.equal(layer(x, attention_mask=attend.clone()), y)
 
 
 def test_inference_zeros_padded_positions_also_when_packing_does_not_pay(monkeypatch):

@@ -380,3 +380,30 @@ def test_gemm_small_matches_float64(tmp_path, monkeypatch):
         err = np.abs(c[:, :n] - want).max() / np.abs(want).max()
         assert err < 1e-6, (ta, tb, m, n, k, err)
         assert (c[:, n:] == 7.0).all()  # nothing written past column n
+
+
+def test_eager_inference_skips_the_dispatcher_and_a_dispatch_mode_sees_the_operator(tiny_nodrop):
+    """An eager call that needs no gradient runs the operator's implementation directly; under a
+    TorchDispatchMode (as tracers and profilers install) the same call goes through
+    ``substation::layer_forward``, with bit-identical results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layer = make_layer(tiny_nodrop).eval()
+    x = x_for(layer)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    with torch.inference_mode():
+        direct = layer(x, key_padding_mask=pad)
+        with Recording() as seen:
+            through = layer(x, key_padding_mask=pad)
+    assert any(op.startswith("substation.layer_forward") for op in seen.ops), seen.ops
+    assert torch.equal(direct, through)

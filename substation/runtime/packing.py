@@ -126,6 +126,7 @@ class PackedBatch:
         gather: int64 [S], the source row of every slot (a padding slot reads its sequence's first
             token; its key is masked and its output dropped).
         real_slots, real_rows: int64 [T], the slots holding real tokens and their source rows.
+        pad_rows: int64 [R - T], the source rows that are no real token (their output is zeros).
     """
 
     rows: int
@@ -133,11 +134,17 @@ class PackedBatch:
     gather: torch.Tensor
     real_slots: torch.Tensor
     real_rows: torch.Tensor
+    pad_rows: torch.Tensor
 
     @property
     def slots(self) -> int:
         """S, tokens computed (real and padding)."""
         return int(self.gather.numel())
+
+    @property
+    def every_slot_real(self) -> bool:
+        """Whether no group pads a sequence (then ``real_slots`` is ``0 .. S-1``)."""
+        return self.real_slots.numel() == self.gather.numel()
 
 
 def _live_groups(lengths: list[int], config: EncoderConfig, exact: bool) -> list[list[int]]:
@@ -148,24 +155,29 @@ def _live_groups(lengths: list[int], config: EncoderConfig, exact: bool) -> list
 
 def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[int]]) -> PackedBatch:
     """The :class:`PackedBatch` of sequences given by their source rows (int64 tensors, in order) run
-    as ``groups`` (sequence indices, from :func:`_live_groups`)."""
+    as ``groups`` (sequence indices, from :func:`_live_groups`); a few tensor operations per group."""
     lengths = [int(s.numel()) for s in sequences]
     gather, real_slots, real_rows, records = [], [], [], []
     start = 0
     for members in groups:
         seq = max(lengths[b] for b in members)
-        for k, b in enumerate(members):
-            src = sequences[b]
-            pad = src[:1].expand(seq - lengths[b])
-            gather.append(torch.cat([src, pad]))
-            first = start + k * seq
-            real_slots.append(torch.arange(first, first + lengths[b]))
-            real_rows.append(src)
+        sources = torch.cat([sequences[b] for b in members])
+        counts = torch.tensor([lengths[b] for b in members])
+        real = torch.arange(seq) < counts.unsqueeze(1)  # [n, L], row-major like the group's slots
+        # padding slots read their sequence's first token
+        slots = sources[torch.cumsum(counts, 0) - counts].unsqueeze(1).expand(len(members), seq).clone()
+        slots[real] = sources
+        gather.append(slots.flatten())
+        real_slots.append(torch.nonzero(real.flatten()).flatten() + start)
+        real_rows.append(sources)
         records.append(SequenceGroup(start, len(members), seq, tuple(lengths[b] for b in members)))
         start += len(members) * seq
     empty = torch.zeros(0, dtype=torch.int64)
     cat = (lambda ts: torch.cat(ts) if ts else empty)
-    return PackedBatch(rows, tuple(records), cat(gather), cat(real_slots), cat(real_rows))
+    is_real = torch.zeros(rows, dtype=torch.bool)
+    is_real[cat(real_rows)] = True
+    return PackedBatch(rows, tuple(records), cat(gather), cat(real_slots), cat(real_rows),
+                       torch.nonzero(~is_real).flatten())
 
 
 def real_tokens(mask: torch.Tensor) -> torch.Tensor | None:
@@ -203,7 +215,7 @@ def pack_key_mask(real: torch.Tensor, config: EncoderConfig) -> PackedBatch | No
                for members, n in zip(groups, longest))
     if cost >= group_cost(batch, seq, config):
         return None
-    sequences = [torch.nonzero(r).flatten() + b * seq for b, r in enumerate(real)]
+    sequences = list(torch.nonzero(real.flatten()).flatten().split(lengths))
     return _packed_batch(batch * seq, sequences, groups)
 
 
@@ -271,6 +283,6 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
             dtype = graph.dtypes["mask"]
             tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
         graph.run_into(tensors, g.batch, g.seq)
-    out = torch.zeros(packed.rows, hidden, dtype=ys.dtype)
-    out.index_copy_(0, packed.real_rows, ys.index_select(0, packed.real_slots))
-    return out
+    out = torch.empty(packed.rows, hidden, dtype=ys.dtype)
+    out.index_copy_(0, packed.real_rows, ys if packed.every_slot_real else ys.index_select(0, packed.real_slots))
+    return out.index_fill_(0, packed.pad_rows, 0)
