@@ -26,7 +26,7 @@ from .ir.graph import LayerGraph, build_forward
 from .passes.attention import applies_to, fuse_attention
 from .passes.autodiff import build_backward
 from .passes.epilogue import applies_to as epilogue_applies
-from .passes.epilogue import fuse_epilogues
+from .passes.epilogue import fuse_epilogues, pack_parameters
 from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .passes.precision import cast_backward_contraction_inputs, mixed_precision
@@ -167,6 +167,8 @@ def _fusion(state: PipelineState) -> None:
         state.forward = fuse_attention(state.forward)
     if epilogue_applies(state.config):
         state.forward = fuse_epilogues(state.forward)
+        if state.backward is None:
+            state.forward = pack_parameters(state.forward)
     for phase, graph in _graphs(state).items():
         setattr(state, phase, fuse_graph(graph))
 
@@ -232,7 +234,7 @@ PASSES = (
          "bf16 GEMMs", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
     Pass("fusion", "fuse attention (forward-only CPU builds; bf16 with AMX), move biases and inference "
-         "activations into GEMM epilogues (bf16 CPU builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,
+         "activations into GEMM epilogues and read parameters from packed copies in inference (bf16 CPU builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,
          _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),

@@ -395,7 +395,7 @@ def test_biases_move_into_the_gemm_epilogues_where_that_saves_bytes():
     train, _ = compile_graphs(_tiny(dtype="bfloat16"), fuse_ops=True)
     assert "activation" not in train.find("linear1").attrs and train.find("activation").kind == "activation"
     inference = cached_compile(_tiny(dtype="bfloat16"), mode="eval").sources["forward"]
-    assert inference.count("ss::GemmActivation::gelu)") == 1
+    assert inference.count("ss::GemmActivation::gelu, (B*J) >= 256)") == 1
     # the generated calls: the Q/K/V stack T loops around one GEMM per T (QKV is T-major); no epilogue in float32
     compiled = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT))
     source = compiled.sources["forward"]
@@ -564,6 +564,13 @@ double distinct_shapes(int count) {
   return worst;
 }
 long cached() { return (long)ss::matmul_cache().size(); }
+long packed_copies() { return (long)ss::packed_weight_cache().size(); }
+uint64_t digest(const ss::bf16_t* b, int64_t rows, int64_t cols, int64_t ld) { return ss::content_digest(b, rows, cols, ld); }
+// C[m, n] = A[m, k] B^T (B [n, k] as a torch Linear weight), B read as a parameter or plainly.
+int linear(int64_t m, int64_t n, int64_t k, const ss::bf16_t* a, const ss::bf16_t* b, float* c, int parameter) {
+  return ss::matmul_bf16(false, true, m, n, k, 1.0f, a, k, b, k, c, n, true, ss::GemmBatch{}, ss::GemmBias{},
+                         ss::GemmActivation::none, parameter != 0);
+}
 // Least-recently-used order: fill the cache with keys 0.., touch key 0, add one more: key 1 goes, key 0
 // stays; an evicted entry a caller still holds stays valid. Returns 0 when all holds.
 int lru_order() {
@@ -594,3 +601,86 @@ def test_onednn_primitives_are_kept_in_a_bounded_least_recently_used_cache():
     # loaded before may hold entries already
     assert lib.distinct_shapes(100) == 0.0 and 100 <= lib.cached() <= 256
     assert lib.distinct_shapes(300) == 0.0 and lib.cached() == 256  # m = 1..300 again: 200 new
+
+
+
+def test_parameters_are_read_from_packed_copies_found_by_content():
+    """A parameter factor (``b_parameter``) is read from a copy in oneDNN's blocked layout, found by
+    the digest of its content: results equal the plain call's bit for bit, a matrix changed in place
+    (same address) gets a new copy, the same content at another address finds the old one, and fewer
+    than 256 rows read the parameter as given. The digest changes with any one value, a sign flip of all
+    values, and two values swapped."""
+    import ctypes
+    lib = ctypes.CDLL(cpu_build.build_library(_PRIMITIVE_CACHE_HARNESS, "primitive_cache", with_onednn=True).path)
+    lib.packed_copies.restype = ctypes.c_long
+    lib.digest.restype = ctypes.c_uint64
+    ptr = ctypes.c_void_p
+    torch.manual_seed(0)
+    m, n, k = 300, 72, 40
+    a, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+
+    def linear(weight, rows=m, parameter=True):
+        c = torch.empty(rows, n)
+        assert lib.linear(rows, n, k, ptr(a.data_ptr()), ptr(weight.data_ptr()), ptr(c.data_ptr()), int(parameter)) == 0
+        return c
+    exact = (a.double() @ w.double().T)
+    before = lib.packed_copies()
+    packed, plain = linear(w), linear(w, parameter=False)
+    assert torch.equal(packed, plain) and (packed.double() - exact).abs().max() < 1e-4
+    assert lib.packed_copies() == before + 1
+    assert torch.equal(linear(w.clone()), plain) and lib.packed_copies() == before + 1  # found by content
+    w[5, 7] = -w[5, 7] + 1  # in place: same address
+    changed = linear(w)
+    assert torch.equal(changed, linear(w, parameter=False)) and not torch.equal(changed, plain)
+    assert lib.packed_copies() == before + 2
+    linear(w, rows=200)
+    assert lib.packed_copies() == before + 2  # few rows: no copy
+
+    def digest(t):
+        return lib.digest(ptr(t.data_ptr()), t.shape[0], t.shape[1], t.stride(0))
+    base = digest(w)
+    one = w.clone()
+    one.view(torch.int16)[3, 2] ^= 1  # the lowest bit of one value
+    swapped = w.clone()
+    swapped[0, 0], swapped[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+    assert len({base, digest(one), digest(-w), digest(swapped), digest(w[:, :39]), digest(w[:71])}) == 6
+    assert digest(w.clone()) == base and digest(torch.cat([w, w], 1)[:, :k]) == base  # strided rows
+
+
+def test_inference_builds_read_parameters_from_packed_copies_and_see_every_change():
+    """The bf16 inference graph marks each contraction that reads a parameter (``packed_parameter``);
+    training graphs do not. A pure-bf16 layer whose weights are overwritten through ``.data`` (no
+    version bump, same address) computes with the new weights at once."""
+    from substation.passes.epilogue import pack_parameters
+    from substation.pipeline import Pipeline, PipelineOptions
+    cfg = load_config("minilm-l6").replace(dtype="bfloat16")
+    graphs = {mode: Pipeline().run(cfg, PipelineOptions(mode=mode), until="fusion").forward for mode in ("eval", "train")}
+    marks = {mode: {op.label: op.attrs.get("packed_parameter") for op in g.operators() if op.kind == "contraction"}
+             for mode, g in graphs.items()}
+    assert marks["eval"] == {"qkv": "in_proj_weight", "out_proj": "out_proj_weight", "linear1": "linear1_weight",
+                             "linear2": "linear2_weight"}
+    assert not any(marks["train"].values())
+    with pytest.raises(ValueError, match="forward-only"):
+        pack_parameters(graphs["train"])
+    source = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT), mode="eval").sources["forward"]
+    assert source.count(") >= 256) != 0) return 1;") == 4  # QKV (one call per T), out_proj, linear1, linear2
+    # the analysis counts the digest's pass over the parameter (2 bytes per element) from 256 rows on
+    for b, j, digest in [(8, 128, True), (1, 24, False)]:
+        ops = {o.name: o for o in analyze(cfg.replace(batch_size=b, max_seq_len=j), optimized=True, mode="eval").operators}
+        i, u = cfg.hidden_size, cfg.ffn_size
+        assert ops["linear1"].bytes_read == 2 * b * j * i + 2 * i * u + 2 * u + (2 * i * u if digest else 0)
+
+    layer = _randomized_fp32_layer().to(torch.bfloat16).eval()
+    torch.manual_seed(4)
+    x = torch.randn(4, 80, 16).bfloat16()  # B x J = 320 rows: packed copies
+    with torch.inference_mode():
+        first = layer(x)
+    ref = reference_for(layer)
+    assert _rel(first, ref(x.double(), None).detach()) < 3e-2
+    new = {n: torch.randn_like(p) * 0.3 for n, p in layer.named_parameters() if p.dim() == 2}
+    for name, value in new.items():
+        getattr(layer, name).data.copy_(value)
+    with torch.inference_mode():
+        second = layer(x)
+    ref = reference_for(layer)
+    assert _rel(second, ref(x.double(), None).detach()) < 3e-2 and not torch.equal(first, second)

@@ -57,6 +57,7 @@ inline std::string& last_error() {
 struct MatmulEntry {
   dnnl::matmul primitive;
   dnnl::memory::desc a, b, c, bias, scratchpad;
+  dnnl::memory::desc b_packed;  // the layout the primitive reads B in (b itself unless B is packed)
 };
 
 // Primitives kept at most: a BERT layer's forward, backward and inference builds call about 30 distinct
@@ -104,14 +105,109 @@ inline MatmulCache& matmul_cache() {
   return cache;
 }
 
+// A 64-bit digest of rows x cols bf16 values, row stride ld elements: XXH64's lane round (Collet,
+// xxHash) on 64-bit lanes of 32 values at a time, the lanes then folded with its avalanche step. It
+// identifies a weight matrix's content, so packed copies are found again without trusting pointers.
+inline uint64_t content_digest(const bf16_t* data, int64_t rows, int64_t cols, int64_t ld) {
+  constexpr uint64_t p1 = 0x9E3779B185EBCA87ull, p2 = 0xC2B2AE3D27D4EB4Full, p3 = 0x165667B19E3779F9ull;
+  uint64_t h = p3 ^ (uint64_t)rows * p1 ^ (uint64_t)cols * p2;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  __m512i acc[4];
+  for (int u = 0; u < 4; ++u) acc[u] = _mm512_add_epi64(_mm512_set1_epi64((int64_t)p1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, u));
+  const __m512i m1 = _mm512_set1_epi64((int64_t)p1), m2 = _mm512_set1_epi64((int64_t)p2);
+  auto round = [&](__m512i a, __m512i x) {
+    return _mm512_mullo_epi64(_mm512_rol_epi64(_mm512_add_epi64(a, _mm512_mullo_epi64(x, m2)), 31), m1);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16_t* row = data + r * ld;
+    int64_t c = 0;
+    for (; c + 128 <= cols; c += 128)
+      for (int u = 0; u < 4; ++u) acc[u] = round(acc[u], _mm512_loadu_si512(row + c + 32 * u));
+    for (; c < cols; c += 32) {
+      const __mmask32 live = cols - c >= 32 ? ~__mmask32(0) : (__mmask32)((1u << (cols - c)) - 1);
+      acc[0] = round(acc[0], _mm512_maskz_loadu_epi16(live, row + c));
+    }
+  }
+  alignas(64) uint64_t lanes[4][8];
+  for (int u = 0; u < 4; ++u) _mm512_store_si512(lanes[u], acc[u]);
+  for (int u = 0; u < 4; ++u)
+    for (int l = 0; l < 8; ++l) h = (h ^ lanes[u][l]) * p1 + p3;
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) h = ((h ^ data[r * ld + c]) * p1) ^ ((h ^ data[r * ld + c]) >> 29);
+#endif
+  h ^= h >> 33;
+  h *= p2;
+  h ^= h >> 29;
+  h *= p3;
+  return h ^ (h >> 32);
+}
+
+// Parameters in the layout oneDNN's primitive reads fastest (AMX / VNNI blocks), reordered once per
+// distinct content: inference calls pass the same weights again and again, and a GEMM that reads them
+// plainly packs them itself on every call (about 25% of its time on MiniLM's shapes, most of it at a
+// few tokens). Found by primitive and content digest, never by address, so a weight changed in any way
+// is packed anew; at most kPackedWeightBytes kept, least recently used evicted.
+constexpr size_t kPackedWeightBytes = size_t(1) << 30;
+
+class PackedWeightCache {
+ public:
+  using Key = std::vector<int64_t>;  // the logical B (trans, k, n), its packed layout, the content digest
+
+  std::shared_ptr<const dnnl::memory> find(const Key& key) {
+    const auto found = index_.find(key);
+    if (found == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, found->second);
+    return found->second->second;
+  }
+
+  void insert(const Key& key, std::shared_ptr<const dnnl::memory> packed) {
+    if (index_.count(key)) return;
+    bytes_ += packed->get_desc().get_size();
+    order_.emplace_front(key, std::move(packed));
+    index_[key] = order_.begin();
+    while (bytes_ > kPackedWeightBytes && order_.size() > 1) {
+      bytes_ -= order_.back().second->get_desc().get_size();
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+  }
+
+  size_t size() const { return order_.size(); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::list<std::pair<Key, std::shared_ptr<const dnnl::memory>>> order_;
+  std::map<Key, decltype(order_)::iterator> index_;
+  size_t bytes_ = 0;
+};
+
+inline PackedWeightCache& packed_weight_cache() {
+  static PackedWeightCache cache;
+  return cache;
+}
+
+// What identifies a memory layout: data type, dims, padded dims, strides and inner blocks.
+inline std::vector<int64_t> layout_signature(const dnnl::memory::desc& md) {
+  std::vector<int64_t> out = {(int64_t)md.get_data_type(), (int64_t)md.get_format_kind(), md.get_ndims(),
+                              (int64_t)md.get_size()};
+  for (const auto& part : {md.get_dims(), md.get_padded_dims(), md.get_strides(), md.get_inner_blks(),
+                           md.get_inner_idxs()}) {
+    out.push_back((int64_t)part.size());
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
+}
+
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
 // dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; C is float32 when c_f32,
-// else bf16. A bias (bias.data set) needs alpha 1 (oneDNN scales after the bias). Returns 0, or 1 with
-// last_error() set when oneDNN refuses the call.
+// else bf16. A bias (bias.data set) needs alpha 1 (oneDNN scales after the bias). b_parameter (B a
+// layer parameter, no batch letters): B is read from its packed copy in packed_weight_cache(), made on
+// the first call with that content. Returns 0, or 1 with last_error() set when oneDNN refuses the call.
 inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                        const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, void* c, int64_t ldc,
                        bool c_f32, const GemmBatch& batch, const GemmBias& bias = GemmBias{},
-                       GemmActivation activation = GemmActivation::none) {
+                       GemmActivation activation = GemmActivation::none, bool b_parameter = false) {
   using dnnl::memory;
   try {
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -127,7 +223,8 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       last_error() = "matmul_bf16: a bias epilogue needs alpha = 1";
       return 1;
     }
-    key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation});
+    b_parameter = b_parameter && batch.count == 0;
+    key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation, b_parameter});
     std::shared_ptr<const MatmulEntry> entry;
     {
       std::lock_guard<std::mutex> guard(lock);
@@ -177,16 +274,38 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         }
         if (ops.len() > 0) attr.set_post_ops(ops);
         const memory::desc bias_md = with_bias ? memory::desc(biasd, memory::data_type::bf16, biass) : memory::desc();
+        // a parameter: the layout the primitive prefers (format any), filled by a reorder per content
+        const memory::desc b_wanted = b_parameter ? memory::desc(bd, memory::data_type::bf16, memory::format_tag::any) : b_md;
         const dnnl::matmul::primitive_desc pd =
-            with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_md, bias_md, c_md, attr)
-                      : dnnl::matmul::primitive_desc(engine, a_md, b_md, c_md, attr);
+            with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_wanted, bias_md, c_md, attr)
+                      : dnnl::matmul::primitive_desc(engine, a_md, b_wanted, c_md, attr);
         entry = std::make_shared<const MatmulEntry>(
-            MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md, pd.scratchpad_desc()});
+            MatmulEntry{dnnl::matmul(pd), a_md, b_md, c_md, bias_md, pd.scratchpad_desc(), pd.weights_desc()});
         matmul_cache().insert(key, entry);
       }
     }
+    void* b_data = const_cast<bf16_t*>(b);
+    std::shared_ptr<const dnnl::memory> packed;  // held until the call ends (the cache may evict it)
+    if (!(entry->b_packed == entry->b)) {
+      PackedWeightCache::Key packed_key = layout_signature(entry->b_packed);
+      packed_key.insert(packed_key.end(), {trans_b, k, n, (int64_t)content_digest(b, trans_b ? n : k, trans_b ? k : n, ldb)});
+      {
+        std::lock_guard<std::mutex> guard(lock);
+        packed = packed_weight_cache().find(packed_key);
+      }
+      if (!packed) {
+        auto made = std::make_shared<memory>(entry->b_packed, engine);  // oneDNN's buffer: 64-byte aligned
+        memory plain(entry->b, engine, b_data);
+        dnnl::reorder(plain, *made).execute(stream, plain, *made);
+        stream.wait();
+        std::lock_guard<std::mutex> guard(lock);
+        packed_weight_cache().insert(packed_key, made);
+        packed = made;
+      }
+      b_data = packed->get_data_handle();
+    }
     std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<bf16_t*>(a))},
-                                            {DNNL_ARG_WEIGHTS, memory(entry->b, engine, const_cast<bf16_t*>(b))},
+                                            {DNNL_ARG_WEIGHTS, memory(entry->b_packed, engine, b_data)},
                                             {DNNL_ARG_DST, memory(entry->c, engine, c)}};
     if (with_bias) args.emplace(DNNL_ARG_BIAS, memory(entry->bias, engine, const_cast<bf16_t*>(bias.data)));
     static thread_local std::vector<uint8_t> scratchpad;

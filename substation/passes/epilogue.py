@@ -11,6 +11,14 @@ no other reader and is not kept (saved for backward, an output), and the contrac
 (``alpha``: oneDNN applies a scale after the bias). Only for back ends whose GEMM call takes a
 bias (:func:`applies_to`: oneDNN's matmul in bfloat16 CPU builds, where it also saves one bf16
 rounding of the raw product); the float32 CPU build's BLAS has no epilogue.
+
+In inference builds a contraction that reads a layer parameter also gets the ``packed_parameter``
+attribute (:func:`pack_parameters`): the GEMM then reads the parameter from a copy in oneDNN's blocked
+layout, made once per distinct content (``ss::matmul_bf16``'s ``b_parameter``), instead of packing the
+plain matrix itself on every call; each call reads the parameter once more for the digest of its
+content, so only GEMMs of at least
+:data:`~substation.backends.cpu.contraction.PACKED_PARAMETER_ROWS` rows do it. Training builds do not:
+their parameters change every step.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops.contraction import EPILOGUE_BIAS
 from .precision import applies_to as mixed_precision
 
-__all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "fuse_epilogues"]
+__all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "fuse_epilogues", "pack_parameters"]
 
 
 def applies_to(config: EncoderConfig) -> bool:
@@ -104,4 +112,34 @@ def _absorb(graph: LayerGraph, pairs: dict[str, str]) -> LayerGraph:
                 attrs["activation"] = finish.attrs["function"]
             outs = {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(finish).items()}
         b.op(op.label, op.kind, op.op_class, ins, outs, **attrs)
+    return b.finish()
+
+
+def pack_parameters(graph: LayerGraph) -> LayerGraph:
+    """``graph`` (a forward-only graph) with each contraction that reads a parameter marked
+    ``packed_parameter`` = that parameter's name (see the module docstring); ``graph`` itself when
+    none does.
+
+    Raises:
+        ValueError: ``graph`` saves tensors for backward (a training forward: its parameters change
+        every step, so packed copies would be made once per step and never found again).
+    """
+    if any(t.role == "saved" for t in graph.tensors.values()):
+        raise ValueError("parameters are packed in forward-only (inference) graphs only")
+    marks = {}
+    for op in graph.operators():
+        if op.kind == "contraction":
+            params = [t for c, (t, _) in graph.inputs_of(op).items()
+                      if c != EPILOGUE_BIAS and graph.tensors[t].role == "param"]
+            if len(params) == 1:
+                marks[op.label] = params[0]
+    if not marks:
+        return graph
+    b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
+    for info in graph.tensors.values():
+        b.copy_tensor(info)
+    for op in graph.operators():
+        attrs = dict(op.attrs, **({"packed_parameter": marks[op.label]} if op.label in marks else {}))
+        b.op(op.label, op.kind, op.op_class, {c: f"{t}[{a}]" for c, (t, a) in graph.inputs_of(op).items()},
+             {c: f"{t}[{a}]" for c, (t, a) in graph.outputs_of(op).items()}, **attrs)
     return b.finish()

@@ -39,8 +39,9 @@ from typing import Callable, Mapping
 
 import sympy
 
+from ..backends.cpu.contraction import PACKED_PARAMETER_ROWS
 from ..config import ITEMSIZES, EncoderConfig, load_config
-from ..ir.graph import OP_CLASSES, LayerGraph, Operator
+from ..ir.graph import OP_CLASSES, LayerGraph, Operator, access_letters
 from ..ops import op_kind
 from ..ops.kind import elements
 from ..runtime.library import graph_tensor_dtypes
@@ -205,13 +206,31 @@ def operator_count(graph: LayerGraph, op: Operator, sizes: Mapping[str, int] | N
     def nbytes(operands, sizer):
         return sum((item[t] * access_elements(a, sizer) for t, a in operands.values()), sympy.Integer(0))
     members = tuple(m.get("name", "?") for m in attrs.get("ops", ())) if op.kind == "fused" else ()
+    digest_sym, digest = _parameter_digest(graph, op, item, sizes)
     return OperatorCount(
         name=op.label, phase=graph.phase, op_class=op.op_class, kind=op.kind,
         flop_expr=sympy.expand(kind_flop(op.kind, attrs, ins, outs, sym)),
-        read_expr=sympy.expand(nbytes(ins, sym)), written_expr=sympy.expand(nbytes(outs, sym)),
+        read_expr=sympy.expand(nbytes(ins, sym)) + digest_sym, written_expr=sympy.expand(nbytes(outs, sym)),
         flop=int(kind_flop(op.kind, attrs, ins, outs, num)),
-        bytes_read=int(nbytes(ins, num)), bytes_written=int(nbytes(outs, num)),
+        bytes_read=int(nbytes(ins, num)) + digest, bytes_written=int(nbytes(outs, num)),
         members=members)
+
+
+def _parameter_digest(graph: LayerGraph, op: Operator, item: dict, sizes: Mapping[str, int]):
+    """(symbolic, numeric) bytes a ``packed_parameter`` contraction reads for the digest of its
+    parameter (one more pass over it, at B x J >= PACKED_PARAMETER_ROWS rows); (0, 0) otherwise."""
+    name = op.attrs.get("packed_parameter")
+    if op.kind != "contraction" or name is None:
+        return sympy.Integer(0), 0
+    access = next(a for t, a in graph.inputs_of(op).values() if t == name)
+    own = set(access_letters(access))
+    rows = "".join(c for c in access_letters(graph.outputs_of(op)["y"][1]) if c not in own)  # B x J
+
+    def count(sizer):
+        return access_elements(rows, sizer), item[name] * access_elements(access, sizer)
+    (rows_sym, bytes_sym), (rows_num, bytes_num) = count(_sizer(None)), count(_sizer(sizes))
+    return (sympy.Piecewise((bytes_sym, sympy.Ge(rows_sym, PACKED_PARAMETER_ROWS)), (0, True)),
+            int(bytes_num) if rows_num >= PACKED_PARAMETER_ROWS else 0)
 
 
 def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> list[OperatorCount]:

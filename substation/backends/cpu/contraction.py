@@ -10,7 +10,13 @@ from __future__ import annotations
 from ...ir.operands import STACK_LETTER, BiasPlan, LayoutError, Operand, c_expr, dim_size, plan_bias, plan_contraction
 from ...ops.contraction import EPILOGUE_BIAS, factors
 
-__all__ = ["emit_attention", "emit_contraction", "operand_pointer"]
+__all__ = ["PACKED_PARAMETER_ROWS", "emit_attention", "emit_contraction", "operand_pointer"]
+
+#: Rows of the other factor (B x J tokens) from which a ``packed_parameter`` GEMM reads the packed copy;
+#: below, it reads the parameter as given: the digest (one pass over the parameter, 27 us for MiniLM's
+#: 1536 x 384 here) costs more than the blocked layout saves (0.52 vs 0.68 TFLOP/s at 24 rows, +15-60%
+#: at 2048 rows, measured on AMX).
+PACKED_PARAMETER_ROWS = 256
 
 
 def operand_pointer(o: Operand, loops: list, split: frozenset) -> str:
@@ -38,7 +44,7 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
     alpha = op.attrs.get("alpha", 1.0)
     if em.cfg.dtype == "bfloat16":
         _emit_matmul_bf16(em, plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label),
-                          op.attrs.get("activation"))
+                          op.attrs.get("activation"), op.attrs.get("packed_parameter"))
         return
     if bias is not None or "activation" in op.attrs:
         raise ValueError(f"contraction {op.label}: an epilogue needs the bf16 matmul (BLAS has none)")
@@ -139,10 +145,13 @@ def emit_attention(em, op, ops: dict[str, Operand]) -> None:
 
 
 def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | None,
-                      activation: str | None = None) -> None:
+                      activation: str | None = None, packed_parameter: str | None = None) -> None:
     """oneDNN matmul calls (``ss::matmul_bf16``, substation_dnnl.h): bf16 operands, float32
     accumulation, the bias and activation epilogues if any (``activation``: a function name of
-    ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients). Batch
+    ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients);
+    ``packed_parameter`` (a parameter's name): where it is factor B, a call of at least
+    :data:`~substation.passes.epilogue.PACKED_PARAMETER_ROWS` rows reads it from its packed copy
+    (``b_parameter``). Batch
     letters both factors run along go into one batched call; a letter one factor
     lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
     broadcast factor on its reference kernel (1000x slower)."""
@@ -173,6 +182,9 @@ def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | Non
                     f"{c_expr(bias.m)}, {c_expr(bias.n)}, {{{strides}}}}}")
     if activation is not None:
         epilogue = (epilogue or ", ss::GemmBias{}") + f", ss::GemmActivation::{activation}"
+    if packed_parameter is not None and packed_parameter == plan.b.name:  # factor B: a parameter
+        epilogue = (epilogue or ", ss::GemmBias{}") + ("" if activation is not None else ", ss::GemmActivation::none") \
+            + f", ({c_expr(plan.m)}) >= {PACKED_PARAMETER_ROWS}"
     call = (f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
             f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, [b[1] for b, _ in looped])}, "
             f"{c_expr(plan.lda)}, {pointer(plan.b, [b[2] for b, _ in looped])}, {c_expr(plan.ldb)}, "
