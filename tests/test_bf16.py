@@ -565,7 +565,7 @@ double distinct_shapes(int count) {
 }
 long cached() { return (long)ss::matmul_cache().size(); }
 long packed_copies() { return (long)ss::packed_weight_cache().size(); }
-uint64_t digest(const ss::bf16_t* b, int64_t rows, int64_t cols, int64_t ld) { return ss::content_digest(b, rows, cols, ld); }
+uint64_t digest(const ss::bf16_t* b, int64_t rows, int64_t cols, int64_t ld) { return ss::content_digest(b, rows, cols * 2, ld * 2); }
 // C[m, n] = A[m, k] B^T (B [n, k] as a torch Linear weight), B read as a parameter or plainly.
 int linear(int64_t m, int64_t n, int64_t k, const ss::bf16_t* a, const ss::bf16_t* b, float* c, int parameter) {
   return ss::matmul_bf16(false, true, m, n, k, 1.0f, a, k, b, k, c, n, true, ss::GemmBatch{}, ss::GemmBias{},
@@ -574,7 +574,7 @@ int linear(int64_t m, int64_t n, int64_t k, const ss::bf16_t* a, const ss::bf16_
 // Least-recently-used order: fill the cache with keys 0.., touch key 0, add one more: key 1 goes, key 0
 // stays; an evicted entry a caller still holds stays valid. Returns 0 when all holds.
 int lru_order() {
-  ss::MatmulCache cache;
+  ss::LruCache<ss::MatmulEntry> cache(ss::kMatmulPrimitives);
   auto held = std::make_shared<const ss::MatmulEntry>();
   for (int64_t i = 0; i < (int64_t)ss::kMatmulPrimitives; ++i)
     cache.insert({i}, i == 1 ? held : std::make_shared<const ss::MatmulEntry>());

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 #include <algorithm>
 #include <omp.h>
@@ -12,6 +13,12 @@
 #endif
 
 namespace ss {
+
+// The message of the last failed library call on this thread (exported as substation_last_error()).
+inline std::string& last_error() {
+  static thread_local std::string message;
+  return message;
+}
 
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
 // counter-based generator, so forward and backward regenerate the same dropout mask from

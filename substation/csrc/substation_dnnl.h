@@ -25,7 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "substation_cpu.h"
+#include "substation_packed.h"
 
 namespace ss {
 
@@ -48,12 +48,6 @@ struct GemmBias {
 // post-ops eltwise_gelu_erf, eltwise_gelu_tanh, eltwise_relu): the activation epilogue.
 enum class GemmActivation : int { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
 
-// The message of the last failed matmul_bf16 on this thread (exported as substation_last_error()).
-inline std::string& last_error() {
-  static thread_local std::string message;
-  return message;
-}
-
 struct MatmulEntry {
   dnnl::matmul primitive;
   dnnl::memory::desc a, b, c, bias, scratchpad;
@@ -64,39 +58,10 @@ struct MatmulEntry {
 // shapes per (B, J), shared by all layers of a config, so this holds several batch shapes at once.
 constexpr size_t kMatmulPrimitives = 256;
 
-// The primitive cache: key -> entry, most recently used first. Entries are shared pointers, so one
-// evicted while another thread still runs it stays alive until that call ends. Not thread-safe by itself.
-class MatmulCache {
- public:
-  using Key = std::vector<int64_t>;
-
-  std::shared_ptr<const MatmulEntry> find(const Key& key) {
-    const auto found = index_.find(key);
-    if (found == index_.end()) return nullptr;
-    order_.splice(order_.begin(), order_, found->second);
-    return found->second->second;
-  }
-
-  void insert(const Key& key, std::shared_ptr<const MatmulEntry> entry) {
-    order_.emplace_front(key, std::move(entry));
-    index_[key] = order_.begin();
-    while (order_.size() > kMatmulPrimitives) {
-      index_.erase(order_.back().first);
-      order_.pop_back();
-    }
-  }
-
-  size_t size() const { return order_.size(); }
-
- private:
-  std::list<std::pair<Key, std::shared_ptr<const MatmulEntry>>> order_;
-  std::map<Key, decltype(order_)::iterator> index_;
-};
-
 // oneDNN keeps a cache of its own (1024 primitives by default) that holds each primitive's kernels
 // after this one evicts it: it gets the same capacity, unless the user set ONEDNN_PRIMITIVE_CACHE_CAPACITY.
-inline MatmulCache& matmul_cache() {
-  static MatmulCache cache;
+inline LruCache<MatmulEntry>& matmul_cache() {
+  static LruCache<MatmulEntry> cache(kMatmulPrimitives);
   static const bool bounded = [] {
     if (!std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")) dnnl::set_primitive_cache_capacity((int)kMatmulPrimitives);
     return true;
@@ -105,85 +70,10 @@ inline MatmulCache& matmul_cache() {
   return cache;
 }
 
-// A 64-bit digest of rows x cols bf16 values, row stride ld elements: XXH64's lane round (Collet,
-// xxHash) on 64-bit lanes of 32 values at a time, the lanes then folded with its avalanche step. It
-// identifies a weight matrix's content, so packed copies are found again without trusting pointers.
-inline uint64_t content_digest(const bf16_t* data, int64_t rows, int64_t cols, int64_t ld) {
-  constexpr uint64_t p1 = 0x9E3779B185EBCA87ull, p2 = 0xC2B2AE3D27D4EB4Full, p3 = 0x165667B19E3779F9ull;
-  uint64_t h = p3 ^ (uint64_t)rows * p1 ^ (uint64_t)cols * p2;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  __m512i acc[4];
-  for (int u = 0; u < 4; ++u) acc[u] = _mm512_add_epi64(_mm512_set1_epi64((int64_t)p1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, u));
-  const __m512i m1 = _mm512_set1_epi64((int64_t)p1), m2 = _mm512_set1_epi64((int64_t)p2);
-  auto round = [&](__m512i a, __m512i x) {
-    return _mm512_mullo_epi64(_mm512_rol_epi64(_mm512_add_epi64(a, _mm512_mullo_epi64(x, m2)), 31), m1);
-  };
-  for (int64_t r = 0; r < rows; ++r) {
-    const bf16_t* row = data + r * ld;
-    int64_t c = 0;
-    for (; c + 128 <= cols; c += 128)
-      for (int u = 0; u < 4; ++u) acc[u] = round(acc[u], _mm512_loadu_si512(row + c + 32 * u));
-    for (; c < cols; c += 32) {
-      const __mmask32 live = cols - c >= 32 ? ~__mmask32(0) : (__mmask32)((1u << (cols - c)) - 1);
-      acc[0] = round(acc[0], _mm512_maskz_loadu_epi16(live, row + c));
-    }
-  }
-  alignas(64) uint64_t lanes[4][8];
-  for (int u = 0; u < 4; ++u) _mm512_store_si512(lanes[u], acc[u]);
-  for (int u = 0; u < 4; ++u)
-    for (int l = 0; l < 8; ++l) h = (h ^ lanes[u][l]) * p1 + p3;
-#else
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) h = ((h ^ data[r * ld + c]) * p1) ^ ((h ^ data[r * ld + c]) >> 29);
-#endif
-  h ^= h >> 33;
-  h *= p2;
-  h ^= h >> 29;
-  h *= p3;
-  return h ^ (h >> 32);
-}
-
-// Parameters in the layout oneDNN's primitive reads fastest (AMX / VNNI blocks), reordered once per
-// distinct content: inference calls pass the same weights again and again, and a GEMM that reads them
-// plainly packs them itself on every call (about 25% of its time on MiniLM's shapes, most of it at a
-// few tokens). Found by primitive and content digest, never by address, so a weight changed in any way
-// is packed anew; at most kPackedWeightBytes kept, least recently used evicted.
-constexpr size_t kPackedWeightBytes = size_t(1) << 30;
-
-class PackedWeightCache {
- public:
-  using Key = std::vector<int64_t>;  // the logical B (trans, k, n), its packed layout, the content digest
-
-  std::shared_ptr<const dnnl::memory> find(const Key& key) {
-    const auto found = index_.find(key);
-    if (found == index_.end()) return nullptr;
-    order_.splice(order_.begin(), order_, found->second);
-    return found->second->second;
-  }
-
-  void insert(const Key& key, std::shared_ptr<const dnnl::memory> packed) {
-    if (index_.count(key)) return;
-    bytes_ += packed->get_desc().get_size();
-    order_.emplace_front(key, std::move(packed));
-    index_[key] = order_.begin();
-    while (bytes_ > kPackedWeightBytes && order_.size() > 1) {
-      bytes_ -= order_.back().second->get_desc().get_size();
-      index_.erase(order_.back().first);
-      order_.pop_back();
-    }
-  }
-
-  size_t size() const { return order_.size(); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::list<std::pair<Key, std::shared_ptr<const dnnl::memory>>> order_;
-  std::map<Key, decltype(order_)::iterator> index_;
-  size_t bytes_ = 0;
-};
-
-inline PackedWeightCache& packed_weight_cache() {
-  static PackedWeightCache cache;
+// Packed bf16 parameters (substation_packed.h) in the layout a primitive reads them in, at most
+// kPackedParameterBytes.
+inline LruCache<dnnl::memory>& packed_weight_cache() {
+  static LruCache<dnnl::memory> cache(kPackedParameterBytes);
   return cache;
 }
 
@@ -287,8 +177,9 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     void* b_data = const_cast<bf16_t*>(b);
     std::shared_ptr<const dnnl::memory> packed;  // held until the call ends (the cache may evict it)
     if (!(entry->b_packed == entry->b)) {
-      PackedWeightCache::Key packed_key = layout_signature(entry->b_packed);
-      packed_key.insert(packed_key.end(), {trans_b, k, n, (int64_t)content_digest(b, trans_b ? n : k, trans_b ? k : n, ldb)});
+      LruCache<memory>::Key packed_key = layout_signature(entry->b_packed);
+      packed_key.insert(packed_key.end(), {trans_b, k, n, (int64_t)content_digest(b, trans_b ? n : k,
+                                                                                   (trans_b ? k : n) * 2, ldb * 2)});
       {
         std::lock_guard<std::mutex> guard(lock);
         packed = packed_weight_cache().find(packed_key);
@@ -299,7 +190,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         dnnl::reorder(plain, *made).execute(stream, plain, *made);
         stream.wait();
         std::lock_guard<std::mutex> guard(lock);
-        packed_weight_cache().insert(packed_key, made);
+        packed_weight_cache().insert(packed_key, made, made->get_desc().get_size());
         packed = made;
       }
       b_data = packed->get_data_handle();

@@ -12,10 +12,10 @@ from ...ops.contraction import EPILOGUE_BIAS, factors
 
 __all__ = ["PACKED_PARAMETER_ROWS", "emit_attention", "emit_contraction", "operand_pointer"]
 
-#: Rows of the other factor (B x J tokens) from which a ``packed_parameter`` GEMM reads the packed copy;
-#: below, it reads the parameter as given: the digest (one pass over the parameter, 27 us for MiniLM's
-#: 1536 x 384 here) costs more than the blocked layout saves (0.52 vs 0.68 TFLOP/s at 24 rows, +15-60%
-#: at 2048 rows, measured on AMX).
+#: Rows of the other factor (B x J tokens) from which a bf16 ``packed_parameter`` GEMM reads the packed
+#: copy; below, it reads the parameter as given. Each call digests the parameter (one more pass over it):
+#: packed was even with plain at 24-64 rows, 3-8% slower at 128-256, 15-60% faster at 2048 (MiniLM's
+#: shapes, AMX).
 PACKED_PARAMETER_ROWS = 256
 
 
