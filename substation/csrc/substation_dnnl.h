@@ -16,8 +16,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <list>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>

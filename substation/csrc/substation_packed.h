@@ -6,12 +6,14 @@
 // optimizer step, load_state_dict, a write through .data or numpy) is packed anew, the same content at
 // another address (a fresh bf16 cast of float32 master weights every call) finds its copy again.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <list>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
