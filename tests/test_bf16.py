@@ -684,3 +684,9 @@ def test_inference_builds_read_parameters_from_packed_copies_and_see_every_chang
         second = layer(x)
     ref = reference_for(layer)
     assert _rel(second, ref(x.double(), None).detach()) < 3e-2 and not torch.equal(first, second)
+    # the copies can be dropped; the next call packs again, with the same result
+    from substation.runtime import release_packed_parameters
+    assert release_packed_parameters() > 2 * sum(v.numel() for v in new.values())  # old and new copies, bf16
+    assert release_packed_parameters() == 0
+    with torch.inference_mode():
+        assert torch.equal(layer(x), second)

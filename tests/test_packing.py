@@ -141,6 +141,29 @@ def test_a_mask_changed_in_place_between_calls_is_seen(monkeypatch):
         assert torch.equal(layer(x, attention_mask=attend.clone()), y)
 
 
+def test_a_float_mask_changed_after_the_call_does_not_change_the_next_one():
+    """The packing kept for the next call holds its own copy of the mask: a float mask the caller
+    (or torch.compile's buffer reuse) overwrites after a call neither leaks into a later call with the
+    old values nor lets NaN past the mask check."""
+    layer = make_layer(TINY).eval()
+    ref = reference_for(layer).eval()
+    torch.manual_seed(6)
+    x = torch.randn(3, 8, TINY.hidden_size, dtype=torch.float64)
+    for fill in (-2.0, float("-inf")):  # a soft mask (no packing) and a one-token padding mask
+        mask = torch.zeros(3, 8, dtype=torch.float64)
+        mask[0, 7] = fill
+        if fill == -2.0:
+            mask[1, 4:] = fill
+        want = ref(x, mask.clone()).detach()
+        attend = mask == 0 if fill != -2.0 else torch.ones(3, 8, dtype=torch.bool)
+        with torch.inference_mode():
+            first = layer(x, attention_mask=mask)
+            same = mask.clone()
+            mask.fill_(float("nan"))
+            again = layer(x, attention_mask=same)
+        assert rel(first[attend], want[attend]) <= 1e-13 and torch.equal(first, again)
+
+
 def test_inference_zeros_padded_positions_also_when_packing_does_not_pay(monkeypatch):
     layer = make_layer(TINY).eval()
     ref = reference_for(layer).eval()

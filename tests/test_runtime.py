@@ -407,3 +407,42 @@ def test_eager_inference_skips_the_dispatcher_and_a_dispatch_mode_sees_the_opera
             through = layer(x, key_padding_mask=pad)
     assert any(op.startswith("substation.layer_forward") for op in seen.ops), seen.ops
     assert torch.equal(direct, through)
+
+
+def test_exported_and_traced_programs_outlive_their_layer(tiny_nodrop):
+    """torch.export and torch.jit.trace programs name the layer by its key only: the layer stays
+    registered after its module is gone (pinned while tracing)."""
+    import gc
+
+    import substation
+    x = torch.randn(2, 5, tiny_nodrop.hidden_size, dtype=torch.float64)
+    for capture in ("export", "trace"):
+        layer = substation.compile(tiny_nodrop).eval()
+        with torch.no_grad():
+            want = layer(x)
+            program = (torch.export.export(layer, (x,)).module() if capture == "export"
+                       else torch.jit.trace(layer, (x,)))
+        del layer
+        gc.collect()
+        with torch.no_grad():
+            assert (program(x) - want).abs().max() < 1e-12, capture
+
+
+def test_forward_mode_ad_and_vmap_raise_and_the_profiler_sees_the_operator(tiny_nodrop):
+    """Forward-mode AD (torch.func.jvp, forward_ad) has no rule: a clear NotImplementedError instead
+    of a silently dropped tangent; vmap reaches the operator and names it; an eager inference call
+    under torch.profiler goes through the operator, so the profile shows it."""
+    import torch.autograd.forward_ad as fwAD
+    layer = make_layer(tiny_nodrop).eval()
+    x = x_for(layer)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda t: layer(t), (x,), (torch.ones_like(x),))
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        layer(fwAD.make_dual(x, torch.ones_like(x)))
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="substation::layer_forward"):
+        torch.func.vmap(layer)(x.unsqueeze(0))
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        layer(x)
+    assert any(e.key == "substation::layer_forward" for e in prof.key_averages())

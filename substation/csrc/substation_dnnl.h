@@ -75,6 +75,21 @@ inline LruCache<dnnl::memory>& packed_weight_cache() {
   return cache;
 }
 
+// Guards matmul_cache() and packed_weight_cache().
+inline std::mutex& matmul_lock() {
+  static std::mutex lock;
+  return lock;
+}
+
+// Drops every packed parameter copy (calls running now keep theirs until they end); returns the bytes
+// the cache held.
+inline size_t release_packed_parameters() {
+  std::lock_guard<std::mutex> guard(matmul_lock());
+  const size_t held = packed_weight_cache().cost();
+  packed_weight_cache().clear();
+  return held;
+}
+
 // What identifies a memory layout: data type, dims, padded dims, strides and inner blocks.
 inline std::vector<int64_t> layout_signature(const dnnl::memory::desc& md) {
   std::vector<int64_t> out = {(int64_t)md.get_data_type(), (int64_t)md.get_format_kind(), md.get_ndims(),
@@ -100,7 +115,6 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
   try {
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     static thread_local dnnl::stream stream(engine);
-    static std::mutex lock;
     int32_t alpha_bits;
     std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
     std::vector<int64_t> key = {trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
@@ -115,7 +129,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation, b_parameter});
     std::shared_ptr<const MatmulEntry> entry;
     {
-      std::lock_guard<std::mutex> guard(lock);
+      std::lock_guard<std::mutex> guard(matmul_lock());
       entry = matmul_cache().find(key);
       if (!entry) {
         memory::dims ad, as, bd, bs, cd, cs, biasd, biass;
@@ -179,7 +193,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       packed_key.insert(packed_key.end(), {trans_b, k, n, (int64_t)content_digest(b, trans_b ? n : k,
                                                                                    (trans_b ? k : n) * 2, ldb * 2)});
       {
-        std::lock_guard<std::mutex> guard(lock);
+        std::lock_guard<std::mutex> guard(matmul_lock());
         packed = packed_weight_cache().find(packed_key);
       }
       if (!packed) {
@@ -187,7 +201,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         memory plain(entry->b, engine, b_data);
         dnnl::reorder(plain, *made).execute(stream, plain, *made);
         stream.wait();
-        std::lock_guard<std::mutex> guard(lock);
+        std::lock_guard<std::mutex> guard(matmul_lock());
         packed_weight_cache().insert(packed_key, made, made->get_desc().get_size());
         packed = made;
       }

@@ -113,6 +113,12 @@ class LruCache {
     }
   }
 
+  void clear() {
+    order_.clear();
+    index_.clear();
+    cost_ = 0;
+  }
+
   size_t size() const { return order_.size(); }
   size_t cost() const { return cost_; }
 

@@ -2,7 +2,7 @@
 that run them (:mod:`.custom_ops`)."""
 from .custom_ops import check_mask, key_mask, run_layer, run_layer_varlen
 from .library import (ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, TORCH_DTYPES, CompiledGraph, CompiledLayer,
-                      parameter_names)
+                      parameter_names, release_packed_parameters)
 
 __all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
-           "check_mask", "key_mask", "parameter_names", "run_layer", "run_layer_varlen"]
+           "check_mask", "key_mask", "parameter_names", "release_packed_parameters", "run_layer", "run_layer_varlen"]

@@ -11,13 +11,14 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..config import EncoderConfig
 from ..ir.graph import size_symbol
 from ..ir.operands import STACK_LETTER
 from ..passes.precision import boundary_dtype
-from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, registered_layer
+from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, pin_layer, registered_layer
 from .packing import pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
 __all__ = ["check_mask", "key_mask", "run_layer", "run_layer_varlen"]
@@ -66,6 +67,8 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
 def _chosen_build(key: str, bf16_autocast: bool) -> CompiledLayer:
     # Chosen inside the operators (opaque to torch.compile): the first call compiles or loads the build.
     compiled = registered_layer(key)
+    if torch.compiler.is_exporting():  # fake tensors: the exported program names the layer by key only
+        pin_layer(compiled)
     return compiled.for_autocast() if bf16_autocast else compiled
 
 
@@ -113,6 +116,8 @@ def _inference_packing(mask: torch.Tensor | None, attend_marks_true: bool, batch
     if last is not None and last[0] == signature and torch.equal(last[1], mask):
         return last[2]
     m = key_mask(mask, attend_marks_true, batch, seq, dtype)
+    if m.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
+        m = m.clone()  # kept for later calls: never the caller's tensor, which may change (or be reused)
     real = real_tokens(m) if forward_only and m is not None else None
     result = (m, real, pack_key_mask(real, config) if real is not None and on_cpu else None)
     _LAST_PACKING.entry = (signature, mask.clone(), result)
@@ -154,10 +159,13 @@ _layer_forward = torch.library.custom_op("substation::layer_forward", mutates_ar
 
 
 def _plain_eager(x: torch.Tensor) -> bool:
-    """Whether nothing traces or intercepts this call: eager, a plain tensor, no torch function or
-    dispatch mode, no ``torch.compile``, ``torch.export`` or ``torch.jit.trace``."""
-    return (type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not torch._C._is_torch_function_mode_enabled() and not is_in_torch_dispatch_mode())
+    """Whether nothing traces or intercepts this call: eager, a plain tensor (no subclass, no
+    ``torch.func`` wrapper), no torch function or dispatch mode, no profiler, no ``torch.compile``,
+    ``torch.export`` or ``torch.jit.trace``."""
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor  # dynamo stops at the first
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x) and not torch.jit.is_tracing()
+            and not torch._C._is_torch_function_mode_enabled() and not is_in_torch_dispatch_mode()
+            and not torch._C._autograd._profiler_enabled())
 
 
 @_layer_forward.register_fake
@@ -338,13 +346,22 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
             sequence, the wrong number of parameters, parameters on the meta device (not yet loaded), or a
             bad mask (see :func:`check_mask`).
+        NotImplementedError: forward-mode AD (a tangent on the input or a parameter).
     """
     x = hidden_states
+    if torch.jit.is_tracing():  # the traced module names the layer by key only and may outlive it
+        pin_layer(compiled)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if fwAD._current_level >= 0 and any(
+            isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None
+            for t in (x, *(q for p in params for q in (p if isinstance(p, tuple) else (p,))))):
+        raise NotImplementedError("forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not "
+                                  "implemented for Substation's layers; use reverse mode (backward, torch.func.vjp, "
+                                  "grad, jacrev)")
     bf16_autocast = _runs_bf16_autocast(compiled)
     config = compiled.config
     dtype = torch.bfloat16 if bf16_autocast else compiled.forward.dtype
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != config.hidden_size:
         raise ValueError(f"hidden_states must have shape [B, J, I] with I = {config.hidden_size}; got {tuple(x.shape)}")
     device_type = compiled.forward.device_type
@@ -442,6 +459,8 @@ def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_se
             checks of :func:`run_layer`.
     """
     x = hidden_states
+    if torch.jit.is_tracing():  # the traced module names the layer by key only and may outlive it
+        pin_layer(compiled)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2 or x.shape[1] != compiled.config.hidden_size:

@@ -22,7 +22,8 @@ from ..ir.graph import LayerGraph, TensorInfo, parameters, size_symbol
 from ..ir.operands import STACK_LETTER, split_stack_params
 
 __all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
-           "keep_freed_memory", "parameter_names", "parameter_shapes", "register_layer", "registered_layer"]
+           "keep_freed_memory", "parameter_names", "parameter_shapes", "pin_layer", "register_layer", "registered_layer",
+           "release_packed_parameters"]
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: Every config dtype, including target cuda's float16 (TORCH_DTYPES: the CPU's).
@@ -338,7 +339,7 @@ class CompiledLayer:
 
 # Operators take no Python objects: they reach their layer's libraries through a per-process key. The
 # registry holds layers weakly, so a layer nobody uses any more (and its workspaces) is freed; a pending
-# backward keeps its layer alive through the autograd context.
+# backward keeps its layer alive through the autograd context, a traced program through pin_layer.
 _REGISTRY: "weakref.WeakValueDictionary[str, CompiledLayer]" = weakref.WeakValueDictionary()
 _REGISTRY_KEYS = itertools.count()
 _REGISTRY_LOCK = threading.Lock()
@@ -353,6 +354,16 @@ def register_layer(compiled: CompiledLayer) -> str:
     return key
 
 
+_PINNED: dict[str, CompiledLayer] = {}
+
+
+def pin_layer(compiled: CompiledLayer) -> None:
+    """Keep ``compiled`` registered for the rest of the process (a ``torch.export`` / ``torch.jit.trace``
+    program, or a ``torch.compile`` graph, holds only its key and may outlive every module)."""
+    with _REGISTRY_LOCK:
+        _PINNED[compiled.key] = compiled
+
+
 def registered_layer(key: str) -> CompiledLayer:
     """The layer registered under ``key``.
 
@@ -364,3 +375,21 @@ def registered_layer(key: str) -> CompiledLayer:
     except KeyError:
         raise KeyError(f"no compiled layer {key!r} in this process (it was freed, or belongs to another "
                        f"process)") from None
+
+
+def release_packed_parameters() -> int:
+    """Drop the packed copies of parameters that bfloat16 inference builds keep (one cache per process,
+    up to 1 GiB; a loop that alternates training and evaluation leaves one copy per weight version);
+    the next inference call packs what it reads again.
+
+    Returns:
+        The bytes the copies held (0 when no bfloat16 build is loaded).
+    """
+    with _REGISTRY_LOCK:
+        layers = list(_REGISTRY.values())
+    for layer in layers:
+        release = getattr(layer.forward.lib, "substation_release_packed_parameters", None)
+        if release is not None:
+            release.restype = ctypes.c_uint64
+            return int(release())  # every bf16 build shares the one cache (substation_dnnl.h)
+    return 0

@@ -475,6 +475,8 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False) -> str:
         *(_timer_abi(ops) if instrument else []),
         'extern "C" const char* substation_last_error() { return ss::last_error().c_str(); }',
         "",
+        *(['extern "C" uint64_t substation_release_packed_parameters() { return ss::release_packed_parameters(); }', ""]
+          if bf16 else []),
         'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)B; (void)J; (void)K;",
