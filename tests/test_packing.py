@@ -73,6 +73,7 @@ def test_masks_that_pack_and_masks_that_do_not():
     assert [slots[s] for s in packed.real_slots.tolist()] == packed.real_rows.tolist()
     assert sorted(packed.pad_rows.tolist() + packed.real_rows.tolist()) == list(range(b * j))
     assert packed.every_slot_real == (packed.slots == 9 + 5 + 7)
+    assert torch.equal(real_tokens(mask.bfloat16()), real)  # bf16 rounds -10000 to -9984: still padding
     soft = torch.zeros(b, j, dtype=torch.float64)
     soft[0, 3] = -2.0  # a soft bias is not padding
     assert real_tokens(soft) is None

@@ -346,19 +346,24 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
             sequence, the wrong number of parameters, parameters on the meta device (not yet loaded), or a
             bad mask (see :func:`check_mask`).
-        NotImplementedError: forward-mode AD (a tangent on the input or a parameter).
+        NotImplementedError: forward-mode AD (a tangent on the input, a mask or a parameter); a mask
+            that requires grad.
     """
     x = hidden_states
     if torch.jit.is_tracing():  # the traced module names the layer by key only and may outlive it
         pin_layer(compiled)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    masks = (attention_mask, key_padding_mask)
     if fwAD._current_level >= 0 and any(
             isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None
-            for t in (x, *(q for p in params for q in (p if isinstance(p, tuple) else (p,))))):
+            for t in (x, *masks, *(q for p in params for q in (p if isinstance(p, tuple) else (p,))))):
         raise NotImplementedError("forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not "
-                                  "implemented for Substation's layers; use reverse mode (backward, torch.func.vjp, "
-                                  "grad, jacrev)")
+                                  "implemented for Substation's layers; use reverse mode (.backward(), "
+                                  "torch.autograd.grad)")
+    if torch.is_grad_enabled() and any(isinstance(m, torch.Tensor) and m.requires_grad for m in masks):
+        raise NotImplementedError("the attention mask requires grad; Substation's layers differentiate with "
+                                  "respect to the input and the parameters only (pass mask.detach())")
     bf16_autocast = _runs_bf16_autocast(compiled)
     config = compiled.config
     dtype = torch.bfloat16 if bf16_autocast else compiled.forward.dtype

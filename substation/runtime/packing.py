@@ -31,9 +31,10 @@ __all__ = ["CALL_TOKENS", "MASKED_BELOW", "PackedBatch", "SequenceGroup", "group
 CALL_TOKENS = 64.0
 #: Cost of gathering one token into a group and scattering its output back, in tokens of work.
 COPY_TOKENS = 0.05
-#: An additive key-mask value at or below this removes the key exactly: exp(-1e4) is 0 in float32 and
-#: float64, so -inf, ``finfo.min`` (Hugging Face) and -10000 (older BERT code) all mark padding.
-MASKED_BELOW = -1.0e4
+#: An additive key-mask value at or below this removes the key exactly: exp(-9000) is 0 in float32 and
+#: float64, so -inf, ``finfo.min`` (Hugging Face) and -10000 (older BERT code; -9984 once rounded to
+#: bfloat16) all mark padding.
+MASKED_BELOW = -9.0e3
 
 
 def group_cost(batch: int, seq: int, config: EncoderConfig) -> float:
