@@ -328,6 +328,17 @@ def test_per_query_masks_run_the_hugging_face_forward():
     assert rel(y, ref(x, causal)) <= 1e-12
 
 
+def test_a_nan_in_a_per_query_mask_is_refused_not_run_by_hugging_face():
+    """NaN != NaN: the check that sends per-query masks to Hugging Face's forward treats NaN as equal,
+    so a [B, 1, J, K] mask with a NaN reaches the mask check and raises."""
+    ours = drop_in(hf_layer(torch.float64))
+    mask = torch.zeros(2, 1, J, J, dtype=torch.float64)
+    mask[1, 0, :, J - 2:] = torch.finfo(torch.float64).min
+    mask[1, 0, 3, 2] = float("nan")
+    with pytest.raises(ValueError, match="holds NaN"):
+        ours(torch.randn(2, J, I, dtype=torch.float64), mask)
+
+
 def test_layer_rejects_per_query_masks_inside_the_operator():
     layer = from_hf(hf_layer(torch.float64))
     causal = torch.ones(J, J, dtype=torch.bool).tril()[None, None]

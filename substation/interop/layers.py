@@ -21,6 +21,7 @@ from torch import nn
 
 from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from ..runtime import CompiledLayer, run_layer
+from ..runtime.custom_ops import check_mask_values, queries_differ
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -112,7 +113,11 @@ class SubstationLayer:
         return None
 
     def _substation_fallback(self, attention_mask, kwargs: dict) -> str | None:
-        """Why this call must run the replaced layer's own forward, or None."""
+        """Why this call must run the replaced layer's own forward, or None.
+
+        Raises:
+            ValueError: a float mask holding NaN or +inf (:func:`~substation.runtime.custom_ops.check_mask_values`).
+        """
         if not torch.compiler.is_compiling():  # a compiled graph is specialised to the layer as traced
             reason = self._substation_sync()
             if reason is not None:
@@ -124,10 +129,10 @@ class SubstationLayer:
                 return f"{name} is given"
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[2] > 1 \
-                and attention_mask.stride(2) != 0 and not torch.compiler.is_compiling() \
-                and not bool((attention_mask == attention_mask[:, :, :1, :]).all()):
-            return "the attention mask differs between queries (not a key padding mask)"
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and not torch.compiler.is_compiling():
+            check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
+            if queries_differ(attention_mask):
+                return "the attention mask differs between queries (not a key padding mask)"
         return None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any,

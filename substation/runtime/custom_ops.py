@@ -21,11 +21,29 @@ from ..passes.precision import boundary_dtype
 from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, pin_layer, registered_layer
 from .packing import pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
-__all__ = ["check_mask", "key_mask", "run_layer", "run_layer_varlen"]
+__all__ = ["check_mask", "check_mask_values", "key_mask", "queries_differ", "run_layer", "run_layer_varlen"]
 
 
 def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
     return compiled.forward.dtypes.get("mask", compiled.forward.dtype)
+
+
+def queries_differ(mask: torch.Tensor) -> bool:
+    """Whether a ``[B, 1, J, K]`` mask's rows differ between queries j (reads the data)."""
+    if mask.shape[2] == 1 or mask.stride(2) == 0:
+        return False
+    return not bool((mask == mask[:, :, :1, :]).all())
+
+
+def check_mask_values(mask: torch.Tensor) -> None:
+    """Refuse a float (additive) mask holding NaN or +inf (reads the data).
+
+    Raises:
+        ValueError: NaN or +inf in ``mask`` (every score it touches would be NaN).
+    """
+    if mask.is_floating_point() and bool((mask.isnan() | (mask == float("inf"))).any()):
+        raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
+                         "large negative value, attended keys 0")
 
 
 def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq: int,
@@ -46,11 +64,9 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     """
     if mask is None:
         return None
-    if mask.is_floating_point() and bool((mask.isnan() | (mask == float("inf"))).any()):
-        raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
-                         "large negative value, attended keys 0")
+    check_mask_values(mask)
     if mask.dim() == 4:
-        if mask.shape[2] > 1 and mask.stride(2) != 0 and not bool((mask == mask[:, :, :1, :]).all()):
+        if queries_differ(mask):
             raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
                              "(and mask: causal in the config) are supported")
         mask = mask[:, 0, 0, :]
