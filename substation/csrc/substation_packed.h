@@ -19,6 +19,10 @@
 
 #include "substation_cpu.h"
 
+#if !defined(__AVX512F__) || !defined(__AVX512DQ__) || !defined(__AVX512BW__)
+#error "substation_packed.h needs AVX-512 F, BW and DQ (the bf16 builds' CPUs have them)"
+#endif
+
 namespace ss {
 
 namespace digest_constants {
@@ -31,7 +35,6 @@ constexpr int64_t rows_per_block = 16;  // the unit the threads share: the diges
 inline uint64_t block_digest(const uint8_t* data, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
   using namespace digest_constants;
   uint64_t h = p3;
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
   __m512i acc[4];
   for (int u = 0; u < 4; ++u)
     acc[u] = _mm512_add_epi64(_mm512_set1_epi64((int64_t)p1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, u));
@@ -53,14 +56,6 @@ inline uint64_t block_digest(const uint8_t* data, int64_t rows, int64_t row_byte
   for (int u = 0; u < 4; ++u) _mm512_store_si512(lanes[u], acc[u]);
   for (int u = 0; u < 4; ++u)
     for (int l = 0; l < 8; ++l) h = (h ^ lanes[u][l]) * p1 + p3;
-#else
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < row_bytes; c += 8) {
-      uint64_t x = 0;
-      std::memcpy(&x, data + r * ld_bytes + c, std::min<int64_t>(8, row_bytes - c));
-      h = ((h + x * p2) << 31 | (h + x * p2) >> 33) * p1;
-    }
-#endif
   h ^= h >> 33;
   h *= p2;
   h ^= h >> 29;

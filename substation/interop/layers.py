@@ -130,8 +130,8 @@ class SubstationLayer:
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and not torch.compiler.is_compiling():
-            check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
             if queries_differ(attention_mask):
+                check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
                 return "the attention mask differs between queries (not a key padding mask)"
         return None
 

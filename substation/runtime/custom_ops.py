@@ -134,7 +134,7 @@ def _inference_packing(mask: torch.Tensor | None, attend_marks_true: bool, batch
     m = key_mask(mask, attend_marks_true, batch, seq, dtype)
     if m.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
         m = m.clone()  # kept for later calls: never the caller's tensor, which may change (or be reused)
-    real = real_tokens(m) if forward_only and m is not None else None
+    real = real_tokens(m) if forward_only else None
     result = (m, real, pack_key_mask(real, config) if real is not None and on_cpu else None)
     _LAST_PACKING.entry = (signature, mask.clone(), result)
     return result
@@ -178,7 +178,7 @@ def _plain_eager(x: torch.Tensor) -> bool:
     """Whether nothing traces or intercepts this call: eager, a plain tensor (no subclass, no
     ``torch.func`` wrapper), no torch function or dispatch mode, no profiler, no ``torch.compile``,
     ``torch.export`` or ``torch.jit.trace``."""
-    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor  # dynamo stops at the first
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor  # first: dynamo cannot trace the rest
             and not torch._C._functorch.is_functorch_wrapped_tensor(x) and not torch.jit.is_tracing()
             and not torch._C._is_torch_function_mode_enabled() and not is_in_torch_dispatch_mode()
             and not torch._C._autograd._profiler_enabled())
@@ -480,8 +480,6 @@ def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_se
             checks of :func:`run_layer`.
     """
     x = hidden_states
-    if torch.jit.is_tracing():  # the traced module names the layer by key only and may outlive it
-        pin_layer(compiled)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2 or x.shape[1] != compiled.config.hidden_size:

@@ -359,7 +359,7 @@ _PINNED: dict[str, CompiledLayer] = {}
 
 def pin_layer(compiled: CompiledLayer) -> None:
     """Keep ``compiled`` registered for the rest of the process (a ``torch.export`` / ``torch.jit.trace``
-    program, or a ``torch.compile`` graph, holds only its key and may outlive every module)."""
+    program holds only its key and may outlive every module)."""
     with _REGISTRY_LOCK:
         _PINNED[compiled.key] = compiled
 

@@ -150,7 +150,7 @@ def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | Non
     accumulation, the bias and activation epilogues if any (``activation``: a function name of
     ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients);
     ``packed_parameter`` (a parameter's name): where it is factor B, a call of at least
-    :data:`~substation.passes.epilogue.PACKED_PARAMETER_ROWS` rows reads it from its packed copy
+    :data:`PACKED_PARAMETER_ROWS` rows reads it from its packed copy
     (``b_parameter``). Batch
     letters both factors run along go into one batched call; a letter one factor
     lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
