@@ -5,6 +5,7 @@ Usage: python ddp_worker.py RANK WORLD_SIZE INIT_METHOD OUT_FILE CONFIG_JSON
 """
 import datetime
 import json
+import os
 import sys
 
 import torch
@@ -74,4 +75,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo's worker threads can abort it ("terminate called without an active
+    # exception", SIGABRT) after the work, the results file and destroy_process_group are all done.
+    os._exit(code)
