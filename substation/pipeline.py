@@ -30,6 +30,7 @@ from .passes.epilogue import fuse_epilogues, pack_parameters
 from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .passes.precision import cast_backward_contraction_inputs, mixed_precision
+from .perf.probes import FP32_GEMM_LIBRARIES, fp32_gemm_library
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -53,9 +54,12 @@ class PipelineOptions:
         mode: ``train`` (forward and backward libraries; forward writes what backward reads) or
             ``eval`` (the inference build: a forward library only: no dropout, nothing saved, intermediates in a
             workspace whose buffers are reused once dead; the default plan), one of :data:`MODES`.
+        fp32_gemm: the library of float32 CPU builds' token-wise contractions: ``"mkl"``, ``"onednn"``
+            or ``"auto"`` (the one measured faster on this machine:
+            :func:`~substation.perf.probes.fp32_gemm_library`), one of :data:`FP32_GEMM_CHOICES`.
 
     Raises:
-        TypeError: an option of the wrong type. ValueError: an unknown mode.
+        TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm.
     """
 
     fuse: bool = True
@@ -63,6 +67,7 @@ class PipelineOptions:
     layout: Any = None
     instrument: bool = False
     mode: str = "train"
+    fp32_gemm: str = "auto"
 
     def __post_init__(self):
         for name in ("fuse", "attention", "instrument"):
@@ -70,6 +75,9 @@ class PipelineOptions:
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.fp32_gemm not in FP32_GEMM_CHOICES:
+            raise ValueError(f"PipelineOptions.fp32_gemm must be one of {', '.join(FP32_GEMM_CHOICES)}, "
+                             f"got {self.fp32_gemm!r}")
         if self.mode == "eval" and self.layout not in (None, "default"):
             raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
                              "an inference build uses PyTorch's layouts (pass layout=None)")
@@ -82,7 +90,7 @@ class PipelineOptions:
         layout = self.layout.to_dict() if isinstance(self.layout, LayoutPlan) else \
             (os.fspath(self.layout) if self.layout is not None else None)
         return {"fuse": self.fuse, "attention": self.attention, "layout": layout, "instrument": self.instrument,
-                "mode": self.mode}
+                "mode": self.mode, "fp32_gemm": self.fp32_gemm}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "PipelineOptions":
@@ -98,7 +106,8 @@ class PipelineOptions:
         if isinstance(layout, Mapping):
             layout = load_plan(layout)
         return cls(fuse=data.get("fuse", True), attention=data.get("attention", True), layout=layout,
-                   instrument=data.get("instrument", False), mode=data.get("mode", "train"))
+                   instrument=data.get("instrument", False), mode=data.get("mode", "train"),
+                   fp32_gemm=data.get("fp32_gemm", "auto"))
 
 
 @dataclasses.dataclass
@@ -186,14 +195,21 @@ def _codegen(state: PipelineState) -> None:
     else:
         if state.config.dtype == "bfloat16":
             require_bf16_isa()
-        state.sources = {p: generate_cpu(g, state.options.instrument) for p, g in _graphs(state).items()}
+        gemm = _fp32_gemm(state.options) if state.config.dtype == "float32" else "mkl"  # float32 builds only
+        state.sources = {p: generate_cpu(g, state.options.instrument, gemm) for p, g in _graphs(state).items()}
+
+
+def _fp32_gemm(options: PipelineOptions) -> str:
+    return fp32_gemm_library() if options.fp32_gemm == "auto" else options.fp32_gemm
 
 
 def _build(state: PipelineState) -> None:
     if state.config.target == "cuda":
         state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
     else:
-        state.built = build_libraries(state.sources, with_onednn=state.config.dtype == "bfloat16")
+        cfg = state.config
+        state.built = build_libraries(state.sources, with_onednn=cfg.dtype == "bfloat16" or (
+            cfg.dtype == "float32" and _fp32_gemm(state.options) == "onednn"))
 
 
 def _load(state: PipelineState) -> None:
@@ -209,12 +225,13 @@ def _load(state: PipelineState) -> None:
                                                instrument=opts.instrument, mode=opts.mode, attention=opts.attention)
         except ToolchainError as e:
             autocast_note = str(e)
-    options = {"fuse": opts.fuse, "attention": opts.attention, "layout": opts.layout, "instrument": opts.instrument}
+    options = {"fuse": opts.fuse, "attention": opts.attention, "layout": opts.layout, "instrument": opts.instrument,
+               "fp32_gemm": opts.fp32_gemm}
     state.compiled = CompiledLayer(
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
-                                          mode="eval", attention=opts.attention),
+                                          mode="eval", attention=opts.attention, fp32_gemm=opts.fp32_gemm),
         autocast_build=autocast_build, autocast_note=autocast_note)
 
 
@@ -223,6 +240,8 @@ _FORWARD = frozenset({"forward"})
 
 #: Build modes (:attr:`PipelineOptions.mode`).
 MODES = ("train", "eval")
+#: Values of :attr:`PipelineOptions.fp32_gemm`.
+FP32_GEMM_CHOICES = ("auto", *FP32_GEMM_LIBRARIES)
 
 #: The passes, in order. In mode ``eval`` autodiff is skipped and the later passes work on the
 #: forward graph alone.
@@ -303,17 +322,19 @@ def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool =
 
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
-                  fuse: bool = True, layout=None, mode: str = "train", attention: bool = True) -> CompiledLayer:
+                  fuse: bool = True, layout=None, mode: str = "train", attention: bool = True,
+                  fp32_gemm: str = "auto") -> CompiledLayer:
     """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
     loaded :class:`~substation.runtime.CompiledLayer`.
 
     ``progress``, if given, is called with each pass name as it starts. ``instrument``, ``fuse``,
-    ``layout``, ``mode`` and ``attention``: see :class:`PipelineOptions`.
+    ``layout``, ``mode``, ``attention`` and ``fp32_gemm``: see :class:`PipelineOptions`.
 
     Raises:
         as :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
     """
-    options = PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode, attention=attention)
+    options = PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode, attention=attention,
+                              fp32_gemm=fp32_gemm)
     return Pipeline().run(config, options, progress=progress).compiled
 
 
@@ -322,7 +343,8 @@ _LOADED_LOCK = threading.Lock()
 
 
 def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
-                   instrument: bool = False, mode: str = "train", attention: bool = True) -> CompiledLayer:
+                   instrument: bool = False, mode: str = "train", attention: bool = True,
+                   fp32_gemm: str = "auto") -> CompiledLayer:
     """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
     twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
     the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`
@@ -333,12 +355,12 @@ def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = Tru
     """
     config = load_config(config)
     key = (config, fuse, layout if layout is None or isinstance(layout, (str, os.PathLike)) else id(layout), instrument,
-           mode, attention)
+           mode, attention, fp32_gemm)
     with _LOADED_LOCK:
         compiled = _LOADED.get(key)
         if compiled is None:
             compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument, mode=mode,
-                                                    attention=attention)
+                                                    attention=attention, fp32_gemm=fp32_gemm)
     return compiled
 
 

@@ -26,16 +26,16 @@ needs_nvcc = pytest.mark.skipif(nvcc_skip_reason() is not None, reason=str(nvcc_
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config):
+def _compiled(config, fp32_gemm="auto"):
     from substation.pipeline import compile_layer
-    return compile_layer(config)
+    return compile_layer(config, fp32_gemm=fp32_gemm)
 
 
-def make_layer(config, seed: int = 0) -> substation.EncoderLayer:
-    """A fresh EncoderLayer for ``config`` (compiled once per session), parameters drawn from ``seed``,
-    biases and layer-norm parameters randomised so every gradient is exercised."""
+def make_layer(config, seed: int = 0, fp32_gemm: str = "auto") -> substation.EncoderLayer:
+    """A fresh EncoderLayer for ``config`` (compiled once per session and ``fp32_gemm``), parameters
+    drawn from ``seed``, biases and layer-norm parameters randomised so every gradient is exercised."""
     torch.manual_seed(seed)
-    layer = substation.EncoderLayer(_compiled(config))
+    layer = substation.EncoderLayer(_compiled(config, fp32_gemm))
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if p.dim() == 1:

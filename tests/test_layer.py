@@ -40,10 +40,22 @@ def test_float64_matches_reference(placement, activation, masked):
         assert rel(ours[name], want[name]) <= 1e-10, (name, rel(ours[name], want[name]))
 
 
-@pytest.mark.parametrize("placement,activation,masked", VARIANTS)
-def test_float32_error_within_twice_pytorch(placement, activation, masked):
+# every variant with MKL's SGEMM; with oneDNN's float32 matmul (the faster one on some CPUs) too
+FP32_VARIANTS = [(*v, "mkl") for v in VARIANTS] + [(*v, "onednn") for v in VARIANTS if v[2]]
+
+
+@pytest.mark.parametrize("placement,activation,masked,fp32_gemm", FP32_VARIANTS)
+def test_float32_error_within_twice_pytorch(placement, activation, masked, fp32_gemm):
     config = SMALL.replace(layer_norm=placement, activation=activation, dtype="float32")
-    layer = make_layer(config)
+    layer = make_layer(config, fp32_gemm=fp32_gemm)
+    # token-wise GEMMs (forward 4, backward 8: dX and dW of each) on the chosen library; the per-head
+    # batches (forward 2, backward 4) on ss::gemm_small, each with two BLAS fallbacks (no AVX-512, few heads)
+    for graph, token_wise, batched in (("forward", 4, 2), ("backward", 8, 4)):
+        source = layer.compiled.sources[graph]
+        onednn = token_wise if fp32_gemm == "onednn" else 0
+        assert source.count("ss::matmul<float>(") == onednn, graph
+        assert source.count("cblas_sgemm(") == token_wise - onednn + 2 * batched, graph
+        assert source.count("ss::gemm_small(") == batched, graph
     ref64 = reference_for(layer, torch.float64)
     ref32 = reference_for(layer, torch.float32)
     x, g, pad = inputs(config, torch.float32, masked)
@@ -55,6 +67,22 @@ def test_float32_error_within_twice_pytorch(placement, activation, masked):
         e_ours, e_torch = rel(ours[name], want[name]), rel(torch32[name], want[name])
         assert e_ours <= 2 * e_torch, (name, e_ours, e_torch)
         assert e_ours < 1e-4, (name, e_ours)
+
+
+@pytest.mark.parametrize("fp32_gemm", ["mkl", "onednn"])
+def test_float32_gemm_libraries_at_oneDNN_sizes(fp32_gemm):
+    """320 token rows (oneDNN's float32 matmul runs from kFloatMinRows = 256 rows; below, MKL) and an
+    inner dimension U = 600 > kFloatChunk = 512 (linear2 and linear1's dX sum two chunks, the last of 88):
+    every output and gradient within 2x PyTorch float32's error against float64."""
+    config = SMALL.replace(batch_size=4, max_seq_len=80, ffn_size=600, dtype="float32")
+    layer = make_layer(config, fp32_gemm=fp32_gemm)
+    x, g, pad = inputs(config, torch.float32, True)
+    want = run(reference_for(layer, torch.float64), x, g, mask=additive(pad, torch.float64))
+    torch32 = run(reference_for(layer, torch.float32), x.float(), g, mask=additive(pad, torch.float32))
+    ours = run(layer, x.float(), g, key_padding_mask=pad)
+    for name in want:
+        e_ours, e_torch = rel(ours[name], want[name]), rel(torch32[name], want[name])
+        assert e_ours <= 2 * e_torch and e_ours < 1e-5, (name, e_ours, e_torch)
 
 
 @pytest.mark.parametrize("variant", [{"activation": "gelu_tanh"}, {"mask": "causal"}, {"mask": "none"},

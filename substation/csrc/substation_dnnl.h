@@ -1,6 +1,7 @@
-// The contractions of Substation's bfloat16 CPU builds on oneDNN's matmul primitive (docs/toolchain.md
-// says why oneDNN): bf16 operands, float32 accumulation, a bf16 or float32 result (parameter gradients
-// stay float32). oneDNN runs them on AMX tiles where the CPU has them, else on AVX512-BF16.
+// Contractions on oneDNN's matmul primitive (docs/toolchain.md says why oneDNN): every one of the
+// bfloat16 CPU builds (bf16 operands, float32 accumulation, a bf16 or float32 result: parameter gradients
+// stay float32; on AMX tiles where the CPU has them, else on AVX512-BF16), and the token-wise ones of
+// float32 builds on CPUs where oneDNN's float32 matmul outruns MKL's SGEMM (substation.perf.probes.fp32_gemm_library).
 //
 // One engine per process, one stream per thread, and one primitive per distinct call (shape, strides,
 // scale, result type), created on first use and kept in a least-recently-used cache of
@@ -20,8 +21,11 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
+
+#include <mkl_cblas.h>
 
 #include "substation_packed.h"
 
@@ -38,7 +42,7 @@ struct GemmBatch {
 // A bias added to the float32 accumulators before the result is stored (the GEMM epilogue): element
 // strides along C's rows (m), columns (n) and each batch letter; 0 broadcasts it along that one.
 struct GemmBias {
-  const bf16_t* data = nullptr;
+  const void* data = nullptr;  // of the operands' element type
   int64_t m = 0, n = 0, batch[3] = {0, 0, 0};
 };
 
@@ -102,22 +106,64 @@ inline std::vector<int64_t> layout_signature(const dnnl::memory::desc& md) {
   return out;
 }
 
+// float32 calls with a longer inner dimension run as a sum of GEMMs of at most kFloatChunk along k: one
+// oneDNN call accumulates k in sequence, and its error at k = 1536 was ~3x MKL SGEMM's (relative
+// 1.0-1.2e-6 vs 3.2-3.5e-7; a Hugging Face model's float32 outputs carry MKL's). Chunks of 512:
+// 6.1-7.1e-7, at ~3% of the time (256: MKL's error, but most of oneDNN's lead over MKL gone).
+constexpr int64_t kFloatChunk = 512;
+// Below this many rows a float32 call goes to MKL's SGEMM: a MiniLM layer at 1 x 24 tokens took 1.65-1.95
+// ms with MKL, 2.07-2.32 with the chunked oneDNN calls (each chunk is one more oneDNN call).
+constexpr int64_t kFloatMinRows = 256;
+
+template <typename T>
+inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a, int64_t lda,
+                const T* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
+                const GemmBias& bias, GemmActivation activation, bool b_parameter, bool accumulate);
+
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
-// dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; C is float32 when c_f32,
-// else bf16. A bias (bias.data set) needs alpha 1 (oneDNN scales after the bias). b_parameter (B a
-// layer parameter, no batch letters): B is read from its packed copy in packed_weight_cache(), made on
-// the first call with that content. Returns 0, or 1 with last_error() set when oneDNN refuses the call.
-inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                       const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, void* c, int64_t ldc,
-                       bool c_f32, const GemmBatch& batch, const GemmBias& bias = GemmBias{},
-                       GemmActivation activation = GemmActivation::none, bool b_parameter = false) {
+// dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; T (the operands' and the
+// bias's element type) is bf16_t or float; C is float32 when c_f32, else of type T. A bias (bias.data
+// set) needs alpha 1 (oneDNN scales after the bias). b_parameter (B a layer parameter, no batch
+// letters): B is read from its packed copy in packed_weight_cache(), made on the first call with that
+// content. Returns 0, or 1 with last_error() set when oneDNN refuses the call.
+template <typename T>
+inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
+                  int64_t lda, const T* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
+                  const GemmBias& bias = GemmBias{}, GemmActivation activation = GemmActivation::none,
+                  bool b_parameter = false) {
+  const bool plain = std::is_same<T, float>::value && batch.count == 0 && !bias.data &&
+                     activation == GemmActivation::none && !b_parameter;
+  if constexpr (std::is_same<T, float>::value) {
+    if (plain && m < kFloatMinRows) {
+      cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k,
+                  alpha, a, lda, b, ldb, 0.0f, static_cast<float*>(c), ldc);
+      return 0;
+    }
+  }
+  if (!plain || k <= kFloatChunk)
+    return matmul_once<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc, c_f32, batch, bias, activation,
+                          b_parameter, false);
+  for (int64_t k0 = 0; k0 < k; k0 += kFloatChunk)  // C = sum over chunks (oneDNN's sum post-op adds C)
+    if (matmul_once<T>(trans_a, trans_b, m, n, std::min(kFloatChunk, k - k0), alpha, a + (trans_a ? k0 * lda : k0), lda,
+                       b + (trans_b ? k0 : k0 * ldb), ldb, c, ldc, c_f32, batch, bias, activation, false, k0 > 0) != 0)
+      return 1;
+  return 0;
+}
+
+// One oneDNN call of matmul(); accumulate: C += the product (oneDNN's sum post-op) instead of C =.
+template <typename T>
+inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
+                       int64_t lda, const T* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
+                       const GemmBias& bias, GemmActivation activation, bool b_parameter, bool accumulate) {
+  static_assert(std::is_same<T, bf16_t>::value || std::is_same<T, float>::value, "bf16_t or float operands");
   using dnnl::memory;
+  constexpr memory::data_type dt = std::is_same<T, float>::value ? memory::data_type::f32 : memory::data_type::bf16;
   try {
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     static thread_local dnnl::stream stream(engine);
     int32_t alpha_bits;
     std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
-    std::vector<int64_t> key = {trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
+    std::vector<int64_t> key = {(int64_t)dt, trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
     for (int i = 0; i < batch.count; ++i)
       key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i], bias.batch[i]});
     const bool with_bias = bias.data != nullptr;
@@ -126,7 +172,7 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       return 1;
     }
     b_parameter = b_parameter && batch.count == 0;
-    key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation, b_parameter});
+    key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation, b_parameter, accumulate});
     std::shared_ptr<const MatmulEntry> entry;
     {
       std::lock_guard<std::mutex> guard(matmul_lock());
@@ -161,8 +207,8 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
             for (size_t j = i + 1; j < biasd.size(); ++j) span = std::max(span, biass[j] * biasd[j]);
             biass[i] = span;
           }
-        const memory::desc a_md(ad, memory::data_type::bf16, as), b_md(bd, memory::data_type::bf16, bs);
-        const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : memory::data_type::bf16, cs);
+        const memory::desc a_md(ad, dt, as), b_md(bd, dt, bs);
+        const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : dt, cs);
         dnnl::primitive_attr attr;
         attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
         dnnl::post_ops ops;
@@ -174,10 +220,11 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
                                                                                : dnnl::algorithm::eltwise_relu;
           ops.append_eltwise(fn, 0.0f, 0.0f);
         }
+        if (accumulate) ops.append_sum(1.0f);  // after the scale: C = alpha * A B + C
         if (ops.len() > 0) attr.set_post_ops(ops);
-        const memory::desc bias_md = with_bias ? memory::desc(biasd, memory::data_type::bf16, biass) : memory::desc();
+        const memory::desc bias_md = with_bias ? memory::desc(biasd, dt, biass) : memory::desc();
         // a parameter: the layout the primitive prefers (format any), filled by a reorder per content
-        const memory::desc b_wanted = b_parameter ? memory::desc(bd, memory::data_type::bf16, memory::format_tag::any) : b_md;
+        const memory::desc b_wanted = b_parameter ? memory::desc(bd, dt, memory::format_tag::any) : b_md;
         const dnnl::matmul::primitive_desc pd =
             with_bias ? dnnl::matmul::primitive_desc(engine, a_md, b_wanted, bias_md, c_md, attr)
                       : dnnl::matmul::primitive_desc(engine, a_md, b_wanted, c_md, attr);
@@ -186,12 +233,13 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         matmul_cache().insert(key, entry);
       }
     }
-    void* b_data = const_cast<bf16_t*>(b);
+    void* b_data = const_cast<T*>(b);
     std::shared_ptr<const dnnl::memory> packed;  // held until the call ends (the cache may evict it)
     if (!(entry->b_packed == entry->b)) {
       LruCache<memory>::Key packed_key = layout_signature(entry->b_packed);
       packed_key.insert(packed_key.end(), {trans_b, k, n, (int64_t)content_digest(b, trans_b ? n : k,
-                                                                                   (trans_b ? k : n) * 2, ldb * 2)});
+                                                                                   (trans_b ? k : n) * (int64_t)sizeof(T),
+                                                                                   ldb * (int64_t)sizeof(T))});
       {
         std::lock_guard<std::mutex> guard(matmul_lock());
         packed = packed_weight_cache().find(packed_key);
@@ -207,10 +255,10 @@ inline int matmul_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       }
       b_data = packed->get_data_handle();
     }
-    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<bf16_t*>(a))},
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(entry->a, engine, const_cast<T*>(a))},
                                             {DNNL_ARG_WEIGHTS, memory(entry->b_packed, engine, b_data)},
                                             {DNNL_ARG_DST, memory(entry->c, engine, c)}};
-    if (with_bias) args.emplace(DNNL_ARG_BIAS, memory(entry->bias, engine, const_cast<bf16_t*>(bias.data)));
+    if (with_bias) args.emplace(DNNL_ARG_BIAS, memory(entry->bias, engine, const_cast<void*>(bias.data)));
     static thread_local std::vector<uint8_t> scratchpad;
     if (scratchpad.size() < entry->scratchpad.get_size()) scratchpad.resize(entry->scratchpad.get_size());
     if (!scratchpad.empty()) args.emplace(DNNL_ARG_SCRATCHPAD, memory(entry->scratchpad, engine, scratchpad.data()));

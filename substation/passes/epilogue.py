@@ -34,7 +34,7 @@ __all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "fuse_e
 
 def applies_to(config: EncoderConfig) -> bool:
     """Whether builds of ``config`` run their contractions on a GEMM call with a bias epilogue: the
-    mixed-precision (bfloat16 CPU) builds, whose GEMMs are oneDNN's (``ss::matmul_bf16``)."""
+    mixed-precision (bfloat16 CPU) builds, whose GEMMs are oneDNN's (``ss::matmul``)."""
     return mixed_precision(config.dtype, config.target)
 
 

@@ -1,5 +1,6 @@
-"""C++ for the CPU's TC operators: contractions as BLAS (float32/float64) or oneDNN (bfloat16) GEMM
-calls, possibly in batch loops, and the fused attention kernel of forward-only builds.
+"""C++ for the CPU's TC operators: contractions as oneDNN matmul calls (bfloat16; the token-wise ones of
+float32 builds where oneDNN is the machine's faster library) or BLAS GEMM calls (float32, float64),
+possibly in batch loops, and the fused attention kernel of forward-only builds.
 
 Operand pointers come from the tensors' strides (:func:`operand_pointer`); a parameter the library
 takes in parts (:func:`~substation.ir.operands.split_stack_params`) is addressed through its table of
@@ -42,12 +43,13 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
     in_parts = {a.name, b.name} & em.split
     plan = plan_contraction(a, b, out, op.label, loop_stack=bool(in_parts))
     alpha = op.attrs.get("alpha", 1.0)
-    if em.cfg.dtype == "bfloat16":
-        _emit_matmul_bf16(em, plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label),
-                          op.attrs.get("activation"), op.attrs.get("packed_parameter"))
+    token_wise = {x for x, *_ in plan.batch} <= {STACK_LETTER}
+    if em.cfg.dtype == "bfloat16" or (em.onednn_fp32 and token_wise):
+        _emit_matmul_onednn(em, plan, out, alpha, None if bias is None else plan_bias(plan, bias, op.label),
+                            op.attrs.get("activation"), op.attrs.get("packed_parameter"))
         return
     if bias is not None or "activation" in op.attrs:
-        raise ValueError(f"contraction {op.label}: an epilogue needs the bf16 matmul (BLAS has none)")
+        raise ValueError(f"contraction {op.label}: an epilogue needs the oneDNN matmul (BLAS has none)")
     operand = {"a": plan.a, "b": plan.b, "c": out}
 
     def call(pointers) -> str:
@@ -144,11 +146,11 @@ def emit_attention(em, op, ops: dict[str, Operand]) -> None:
     em.w(f"ss::attention_forward<T>(B, H, J, K, P, T({op.attrs['alpha']!r}), {args}, {bias});")
 
 
-def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | None,
-                      activation: str | None = None, packed_parameter: str | None = None) -> None:
-    """oneDNN matmul calls (``ss::matmul_bf16``, substation_dnnl.h): bf16 operands, float32
-    accumulation, the bias and activation epilogues if any (``activation``: a function name of
-    ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients);
+def _emit_matmul_onednn(em, plan, out: Operand, alpha: float, bias: BiasPlan | None,
+                        activation: str | None = None, packed_parameter: str | None = None) -> None:
+    """oneDNN matmul calls (``ss::matmul``, substation_dnnl.h): operands of the build's dtype (bf16 or
+    float32), float32 accumulation, the bias and activation epilogues if any (``activation``: a function
+    name of ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients);
     ``packed_parameter`` (a parameter's name): where it is factor B, a call of at least
     :data:`PACKED_PARAMETER_ROWS` rows reads it from its packed copy
     (``b_parameter``). Batch
@@ -156,15 +158,16 @@ def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | Non
     lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
     broadcast factor on its reference kernel (1000x slower)."""
     inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
-    wide = [t.name for t in inputs if em.dtypes[t.name] != "bfloat16"]
+    element = em.cfg.dtype
+    wide = [t.name for t in inputs if em.dtypes[t.name] != element]
     if wide:  # the mixed-precision pass casts every contraction input
         raise ValueError(f"contraction {out.name} reads {', '.join(wide)} in "
-                         f"{', '.join(em.dtypes[t] for t in wide)}; the bf16 matmul takes bfloat16 operands, bias")
+                         f"{', '.join(em.dtypes[t] for t in wide)}; the {element} matmul takes {element} operands, bias")
     bias_strides = bias.batch if bias is not None else [0] * len(plan.batch)
     looped = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 in (b[1], b[2])]
     batched = [(b, s) for b, s in zip(plan.batch, bias_strides) if 0 not in (b[1], b[2])]
     if len(batched) > 3:
-        raise LayoutError(f"contraction {out.name}: {len(batched)} batch letters (the bf16 matmul takes 3)")
+        raise LayoutError(f"contraction {out.name}: {len(batched)} batch letters (the oneDNN matmul takes 3)")
     if any(x == STACK_LETTER for (x, *_), _ in batched) and {t.name for t in inputs} & em.split:
         raise LayoutError(f"contraction {out.name}: an operand in parts along {STACK_LETTER} needs a loop over it")
 
@@ -185,7 +188,7 @@ def _emit_matmul_bf16(em, plan, out: Operand, alpha: float, bias: BiasPlan | Non
     if packed_parameter is not None and packed_parameter == plan.b.name:  # factor B: a parameter
         epilogue = (epilogue or ", ss::GemmBias{}") + ("" if activation is not None else ", ss::GemmActivation::none") \
             + f", ({c_expr(plan.m)}) >= {PACKED_PARAMETER_ROWS}"
-    call = (f"if (ss::matmul_bf16({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
+    call = (f"if (ss::matmul<{'ss::bf16_t' if element == 'bfloat16' else 'float'}>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
             f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, [b[1] for b, _ in looped])}, "
             f"{c_expr(plan.lda)}, {pointer(plan.b, [b[2] for b, _ in looped])}, {c_expr(plan.ldb)}, "
             f"{pointer(out, [b[3] for b, _ in looped])}, {c_expr(plan.ldc)}, "
