@@ -30,7 +30,6 @@ from .passes.epilogue import fuse_epilogues, pack_parameters
 from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .passes.precision import cast_backward_contraction_inputs, mixed_precision
-from .perf.probes import FP32_GEMM_LIBRARIES, fp32_gemm_library
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -54,9 +53,10 @@ class PipelineOptions:
         mode: ``train`` (forward and backward libraries; forward writes what backward reads) or
             ``eval`` (the inference build: a forward library only: no dropout, nothing saved, intermediates in a
             workspace whose buffers are reused once dead; the default plan), one of :data:`MODES`.
-        fp32_gemm: the library of float32 CPU builds' token-wise contractions: ``"mkl"``, ``"onednn"``
-            or ``"auto"`` (the one measured faster on this machine:
-            :func:`~substation.perf.probes.fp32_gemm_library`), one of :data:`FP32_GEMM_CHOICES`.
+        fp32_gemm: the library of float32 CPU builds' token-wise contractions (other builds ignore it):
+            ``"mkl"`` (``cblas_sgemm``) or ``"onednn"`` (``ss::matmul<float>``: 1.10-1.24x faster layers on
+            AMD Zen 4, with up to 2.2x PyTorch float32's error on weight gradients; docs/toolchain.md), one
+            of :data:`FP32_GEMM_CHOICES`.
 
     Raises:
         TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm.
@@ -67,7 +67,7 @@ class PipelineOptions:
     layout: Any = None
     instrument: bool = False
     mode: str = "train"
-    fp32_gemm: str = "auto"
+    fp32_gemm: str = "mkl"
 
     def __post_init__(self):
         for name in ("fuse", "attention", "instrument"):
@@ -107,7 +107,7 @@ class PipelineOptions:
             layout = load_plan(layout)
         return cls(fuse=data.get("fuse", True), attention=data.get("attention", True), layout=layout,
                    instrument=data.get("instrument", False), mode=data.get("mode", "train"),
-                   fp32_gemm=data.get("fp32_gemm", "auto"))
+                   fp32_gemm=data.get("fp32_gemm", "mkl"))
 
 
 @dataclasses.dataclass
@@ -195,12 +195,8 @@ def _codegen(state: PipelineState) -> None:
     else:
         if state.config.dtype == "bfloat16":
             require_bf16_isa()
-        gemm = _fp32_gemm(state.options) if state.config.dtype == "float32" else "mkl"  # float32 builds only
-        state.sources = {p: generate_cpu(g, state.options.instrument, gemm) for p, g in _graphs(state).items()}
-
-
-def _fp32_gemm(options: PipelineOptions) -> str:
-    return fp32_gemm_library() if options.fp32_gemm == "auto" else options.fp32_gemm
+        state.sources = {p: generate_cpu(g, state.options.instrument, state.options.fp32_gemm)
+                         for p, g in _graphs(state).items()}
 
 
 def _build(state: PipelineState) -> None:
@@ -209,7 +205,7 @@ def _build(state: PipelineState) -> None:
     else:
         cfg = state.config
         state.built = build_libraries(state.sources, with_onednn=cfg.dtype == "bfloat16" or (
-            cfg.dtype == "float32" and _fp32_gemm(state.options) == "onednn"))
+            cfg.dtype == "float32" and state.options.fp32_gemm == "onednn"))
 
 
 def _load(state: PipelineState) -> None:
@@ -241,7 +237,7 @@ _FORWARD = frozenset({"forward"})
 #: Build modes (:attr:`PipelineOptions.mode`).
 MODES = ("train", "eval")
 #: Values of :attr:`PipelineOptions.fp32_gemm`.
-FP32_GEMM_CHOICES = ("auto", *FP32_GEMM_LIBRARIES)
+FP32_GEMM_CHOICES = ("mkl", "onednn")
 
 #: The passes, in order. In mode ``eval`` autodiff is skipped and the later passes work on the
 #: forward graph alone.
@@ -323,7 +319,7 @@ def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool =
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
                   fuse: bool = True, layout=None, mode: str = "train", attention: bool = True,
-                  fp32_gemm: str = "auto") -> CompiledLayer:
+                  fp32_gemm: str = "mkl") -> CompiledLayer:
     """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
     loaded :class:`~substation.runtime.CompiledLayer`.
 
@@ -344,7 +340,7 @@ _LOADED_LOCK = threading.Lock()
 
 def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
                    instrument: bool = False, mode: str = "train", attention: bool = True,
-                   fp32_gemm: str = "auto") -> CompiledLayer:
+                   fp32_gemm: str = "mkl") -> CompiledLayer:
     """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
     twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
     the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`

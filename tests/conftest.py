@@ -26,12 +26,12 @@ needs_nvcc = pytest.mark.skipif(nvcc_skip_reason() is not None, reason=str(nvcc_
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(config, fp32_gemm="auto"):
+def _compiled(config, fp32_gemm="mkl"):
     from substation.pipeline import compile_layer
     return compile_layer(config, fp32_gemm=fp32_gemm)
 
 
-def make_layer(config, seed: int = 0, fp32_gemm: str = "auto") -> substation.EncoderLayer:
+def make_layer(config, seed: int = 0, fp32_gemm: str = "mkl") -> substation.EncoderLayer:
     """A fresh EncoderLayer for ``config`` (compiled once per session and ``fp32_gemm``), parameters
     drawn from ``seed``, biases and layer-norm parameters randomised so every gradient is exercised."""
     torch.manual_seed(seed)

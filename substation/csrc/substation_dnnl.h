@@ -1,7 +1,7 @@
 // Contractions on oneDNN's matmul primitive (docs/toolchain.md says why oneDNN): every one of the
 // bfloat16 CPU builds (bf16 operands, float32 accumulation, a bf16 or float32 result: parameter gradients
 // stay float32; on AMX tiles where the CPU has them, else on AVX512-BF16), and the token-wise ones of
-// float32 builds on CPUs where oneDNN's float32 matmul outruns MKL's SGEMM (substation.perf.probes.fp32_gemm_library).
+// float32 builds compiled with fp32_gemm "onednn" (faster than MKL's SGEMM on AMD Zen 4).
 //
 // One engine per process, one stream per thread, and one primitive per distinct call (shape, strides,
 // scale, result type), created on first use and kept in a least-recently-used cache of

@@ -14,8 +14,7 @@ import time
 from ..backends.cpu.build import build_library
 from ..resources import csrc_file
 
-__all__ = ["FP32_GEMM_LIBRARIES", "CopyTimer", "copy_bandwidth", "fma_peak", "fp32_gemm_library", "gemm_rate",
-           "machine_info"]
+__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "machine_info"]
 
 
 def _l3_bytes() -> int:
@@ -97,22 +96,15 @@ def _probe_library():
 
 
 @functools.lru_cache(maxsize=None)
-def _onednn_probe_library():
-    """The oneDNN matmul probe (``csrc/substation_probe_onednn.cpp``), built through the cache."""
+def _bf16_probe_library():
+    """The bf16 matmul probe (``csrc/substation_probe_bf16.cpp``, linked with oneDNN), built through the cache."""
     import ctypes
 
-    with open(csrc_file("substation_probe_onednn.cpp")) as f:
-        lib = ctypes.CDLL(build_library(f.read(), "probe-onednn", with_onednn=True).path)
-    lib.substation_probe_matmul_seconds.restype = ctypes.c_double
-    lib.substation_probe_matmul_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
+    with open(csrc_file("substation_probe_bf16.cpp")) as f:
+        lib = ctypes.CDLL(build_library(f.read(), "probe-bf16", with_onednn=True).path)
+    lib.substation_probe_matmul_bf16_seconds.restype = ctypes.c_double
+    lib.substation_probe_matmul_bf16_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
     return lib
-
-
-def _onednn_seconds(m: int, n: int, k: int, repeats: int, f32: bool) -> float:
-    seconds = _onednn_probe_library().substation_probe_matmul_seconds(m, n, k, repeats, int(f32))
-    if seconds < 0:
-        raise RuntimeError(f"oneDNN refused a {'float32' if f32 else 'bf16'} matmul of m={m}, n={n}, k={k}")
-    return seconds
 
 
 def _probe_dtype(dtype: str, allowed=("float32", "float64")) -> int:
@@ -125,92 +117,27 @@ def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int
     """The GEMM rate in flop/s of the library the generated code calls: the best over ``shapes``
     (``(m, n, k)`` tuples) of 2 m n k / seconds of the fastest of ``repeats`` row-major
     ``C[m, n] = A[m, k] B[k, n]`` calls, on the generated code's OpenMP threads; one untimed call per
-    shape comes first. ``float32``: MKL's ``cblas_sgemm``, or oneDNN's float32 matmul where
-    :func:`fp32_gemm_library` chose it; ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul
-    (bf16 in and out: ``ss::matmul``).
+    shape comes first. ``float32``: MKL's ``cblas_sgemm`` (the default library of float32 builds);
+    ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16 in and out: ``ss::matmul``).
 
     Raises:
         ValueError: another dtype, no shapes, a size < 1 or ``repeats`` < 1.
         ToolchainError, BuildError: the probe library cannot be built.
-        RuntimeError: oneDNN refused a call.
+        RuntimeError: oneDNN refused a bf16 call.
     """
     use_double = _probe_dtype(dtype, ("float32", "float64", "bfloat16"))
     shapes = [tuple(int(v) for v in s) for s in shapes]
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
         raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
-    if dtype == "bfloat16" or (dtype == "float32" and fp32_gemm_library() == "onednn"):
-        seconds = [_onednn_seconds(m, n, k, repeats, dtype == "float32") for m, n, k in shapes]
+    if dtype == "bfloat16":
+        lib = _bf16_probe_library()
+        seconds = [lib.substation_probe_matmul_bf16_seconds(m, n, k, repeats) for m, n, k in shapes]
+        if min(seconds) < 0:
+            raise RuntimeError(f"oneDNN refused a bf16 matmul of the shapes {shapes}")
     else:
         lib = _probe_library()
         seconds = [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]
     return max(2.0 * m * n * k / s for (m, n, k), s in zip(shapes, seconds))
-
-
-#: What float32 builds may call for their token-wise contractions (see :func:`fp32_gemm_library`).
-FP32_GEMM_LIBRARIES = ("mkl", "onednn")
-#: oneDNN is chosen when it runs the probe's shapes at least this many times MKL's speed (geometric mean).
-ONEDNN_FP32_MARGIN = 1.10
-#: The token-wise GEMMs (m, n, k) of BERT-base (B x J = 1024) and all-MiniLM-L6-v2 (4096 and 24 rows).
-FP32_PROBE_SHAPES = ((1024, 3072, 768), (1024, 768, 3072), (1024, 768, 768), (4096, 1536, 384),
-                     (4096, 384, 1536), (24, 1536, 384))
-_ONEDNN_ISA = frozenset({"avx512f", "avx512bw", "avx512dq"})  # what substation_dnnl.h's digest needs
-
-
-@functools.lru_cache(maxsize=None)
-def fp32_gemm_library() -> str:
-    """The library of float32 builds' token-wise contractions on this machine, ``"mkl"`` or
-    ``"onednn"`` (per-head batches keep ``ss::gemm_small``): oneDNN where its float32 matmul ran
-    :data:`FP32_PROBE_SHAPES` at least :data:`ONEDNN_FP32_MARGIN` times MKL SGEMM's speed (geometric mean
-    of the per-shape ratios of the fastest of 5 calls, 3 alternating rounds; 2026-12: AMD Zen 4 1.3x,
-    docs/toolchain.md), else MKL; MKL without oneDNN or without AVX-512 F/BW/DQ.
-
-    Measured once per machine, thread count and library versions, and kept (with the figures) in
-    ``fp32-gemm-library-*.json`` in the build cache (written atomically; delete it to measure again).
-    Read once per process.
-
-    Raises:
-        ToolchainError, BuildError: the probe libraries cannot be built.
-    """
-    import hashlib
-    import json
-
-    import torch
-
-    from ..backends.cpu.build import ToolchainError, cache_dir, cpu_flags, cpu_id, onednn, toolchain
-    from ..files import atomic_write_text
-    if not _ONEDNN_ISA <= cpu_flags():
-        return "mkl"
-    try:
-        dnnl = onednn()
-    except ToolchainError:
-        return "mkl"
-    threads = torch.get_num_threads()
-    lib, dnnl_lib = _probe_library(), _onednn_probe_library()  # their build keys cover versions, flags, headers
-    key = hashlib.sha256("\0".join((cpu_id(), str(threads), lib._name, dnnl_lib._name, repr(FP32_PROBE_SHAPES),
-                                     repr(ONEDNN_FP32_MARGIN))).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), f"fp32-gemm-library-{key}.json")
-    try:
-        with open(path) as f:
-            choice = json.load(f)["choice"]
-        if choice in FP32_GEMM_LIBRARIES:
-            return choice
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    best = {"mkl": [float("inf")] * len(FP32_PROBE_SHAPES), "onednn": [float("inf")] * len(FP32_PROBE_SHAPES)}
-    for _ in range(3):
-        for i, (m, n, k) in enumerate(FP32_PROBE_SHAPES):
-            best["mkl"][i] = min(best["mkl"][i], lib.substation_probe_gemm_seconds(m, n, k, 5, 0))
-            best["onednn"][i] = min(best["onednn"][i], _onednn_seconds(m, n, k, 5, True))
-    ratios = [mkl / dnn for mkl, dnn in zip(best["mkl"], best["onednn"])]
-    speedup = statistics.geometric_mean(ratios)
-    choice = "onednn" if speedup >= ONEDNN_FP32_MARGIN else "mkl"
-    record = {"choice": choice, "onednn_speedup": speedup, "margin": ONEDNN_FP32_MARGIN, "threads": threads,
-              "cpu": _cpu_model(), "mkl": toolchain().blas_version, "onednn": dnnl.version,
-              "shapes_mnk": [list(s) for s in FP32_PROBE_SHAPES],
-              "gflops": {name: [2e-9 * m * n * k / s for (m, n, k), s in zip(FP32_PROBE_SHAPES, secs)]
-                         for name, secs in best.items()}}
-    atomic_write_text(path, json.dumps(record, indent=1))
-    return choice
 
 
 def fma_peak(dtype: str = "float32", iterations: int = 30_000_000, repeats: int = 3) -> float:
