@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .backends.cpu.build import ToolchainError, build_libraries, require_bf16_isa
-from .backends.cpu.codegen import generate_cpu
+from .backends.cpu.codegen import FP32_GEMM_LIBRARIES, generate_cpu, links_onednn
 from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
@@ -56,7 +56,7 @@ class PipelineOptions:
         fp32_gemm: the library of float32 CPU builds' token-wise contractions (other builds ignore it):
             ``"mkl"`` (``cblas_sgemm``) or ``"onednn"`` (``ss::matmul<float>``: 1.10-1.24x faster layers on
             AMD Zen 4, with up to 2.2x PyTorch float32's error on weight gradients; docs/toolchain.md), one
-            of :data:`FP32_GEMM_CHOICES`.
+            of :data:`~substation.backends.cpu.codegen.FP32_GEMM_LIBRARIES`.
 
     Raises:
         TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm.
@@ -75,8 +75,8 @@ class PipelineOptions:
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.fp32_gemm not in FP32_GEMM_CHOICES:
-            raise ValueError(f"PipelineOptions.fp32_gemm must be one of {', '.join(FP32_GEMM_CHOICES)}, "
+        if self.fp32_gemm not in FP32_GEMM_LIBRARIES:
+            raise ValueError(f"PipelineOptions.fp32_gemm must be one of {', '.join(FP32_GEMM_LIBRARIES)}, "
                              f"got {self.fp32_gemm!r}")
         if self.mode == "eval" and self.layout not in (None, "default"):
             raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
@@ -203,9 +203,8 @@ def _build(state: PipelineState) -> None:
     if state.config.target == "cuda":
         state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
     else:
-        cfg = state.config
-        state.built = build_libraries(state.sources, with_onednn=cfg.dtype == "bfloat16" or (
-            cfg.dtype == "float32" and state.options.fp32_gemm == "onednn"))
+        state.built = build_libraries(state.sources,
+                                      with_onednn=links_onednn(state.config.dtype, state.options.fp32_gemm))
 
 
 def _load(state: PipelineState) -> None:
@@ -236,8 +235,6 @@ _FORWARD = frozenset({"forward"})
 
 #: Build modes (:attr:`PipelineOptions.mode`).
 MODES = ("train", "eval")
-#: Values of :attr:`PipelineOptions.fp32_gemm`.
-FP32_GEMM_CHOICES = ("mkl", "onednn")
 
 #: The passes, in order. In mode ``eval`` autodiff is skipped and the later passes work on the
 #: forward graph alone.

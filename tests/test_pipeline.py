@@ -57,4 +57,3 @@ def test_graphs_are_validated_after_each_pass():
     broken = (*PASSES[:2], Pass("corrupt", "break a graph", frozenset({"forward"}), frozenset({"forward"}), corrupt))
     with pytest.raises(ValueError, match="forward graph: tensor Y has layout BJI for dims BJ"):
         Pipeline(broken).run("tiny")
-

@@ -1,5 +1,5 @@
 """C++ for the CPU's TC operators: contractions as oneDNN matmul calls (bfloat16; the token-wise ones of
-float32 builds where oneDNN is the machine's faster library) or BLAS GEMM calls (float32, float64),
+float32 builds with ``fp32_gemm="onednn"``) or BLAS GEMM calls (float32, float64),
 possibly in batch loops, and the fused attention kernel of forward-only builds.
 
 Operand pointers come from the tensors' strides (:func:`operand_pointer`); a parameter the library
