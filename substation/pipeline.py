@@ -42,8 +42,8 @@ class PipelineOptions:
 
     Attributes:
         fuse: run the fusion pass (row kernels); False: one kernel per operator.
-        attention: in forward-only CPU builds with ``fuse`` (float32, float64, and bfloat16 on a CPU
-            with AMX), fuse scores, mask, softmax and context into one ``attention`` kernel
+        attention: in forward-only CPU builds with ``fuse`` (float32, float64 and bfloat16), fuse
+            scores, mask, softmax and context into one ``attention`` kernel
             (:mod:`substation.passes.attention`); False keeps them apart (to compare).
         layout: a layout plan: a path, a bundled plan name or a :class:`LayoutPlan`; ``"default"``
             keeps PyTorch's layouts; None: the config's default plan
@@ -245,8 +245,9 @@ PASSES = (
     Pass("autodiff", "derive the backward SDFG; mark what forward saves; casts before float32 inputs of "
          "bf16 GEMMs", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
-    Pass("fusion", "fuse attention (forward-only CPU builds; bf16 with AMX), move biases and inference "
-         "activations into GEMM epilogues and read parameters from packed copies in inference (bf16 CPU builds), then group element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,
+    Pass("fusion", "fuse attention (forward-only CPU builds), move biases and inference activations into "
+         "GEMM epilogues and read parameters from packed copies in inference (bf16 CPU builds), then group "
+         "element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,
          _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),

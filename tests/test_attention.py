@@ -1,6 +1,7 @@
 """The fused attention kernel of forward-only CPU builds: which graphs get it, the bytes and workspace
 it saves, and its output against the float64 reference (masks, fully masked rows, causal, several
-query blocks); the bfloat16 kernel on AMX against float64 and PyTorch's fused attention in bfloat16."""
+query blocks); the bfloat16 kernels (AMX tiles, AVX512-BF16 dot products) against float64 and PyTorch's
+fused attention in bfloat16."""
 from __future__ import annotations
 
 import ctypes
@@ -13,10 +14,9 @@ import torch
 from conftest import reference_for, rel
 from substation import EncoderLayer
 from substation.config import load_config
-from substation.backends.cpu.build import FLAGS, toolchain
+from substation.backends.cpu.build import FLAGS, cpu_flags, toolchain
 from substation.ops.contraction import EPILOGUE_BIAS
-from substation.passes import attention as attention_pass
-from substation.passes.attention import AMX_FLAGS, find_attention, missing_amx_flags
+from substation.passes.attention import find_attention
 from substation.perf.analysis import count_graph
 from substation.pipeline import cached_compile, compile_graphs
 from substation.resources import csrc_dir
@@ -46,15 +46,17 @@ def test_inference_graphs_fuse_attention_and_training_graphs_do_not():
     assert "attention" not in _kinds(cuda)
 
 
-def test_bf16_inference_fuses_attention_only_on_amx(monkeypatch):
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="bfloat16 CPU builds need AVX512-BF16")
+#: What the AMX kernel needs; without it bf16 builds run the AVX512-BF16 kernel.
+AMX = {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+def test_bf16_inference_fuses_attention():
     """bf16: the chain of the mixed-precision graph (float32 scores, the probabilities' cast to bf16)
-    becomes the AMX kernel, Q, K, V biased by the QKV GEMM's epilogue; with AVX512-BF16 alone it stays
-    on oneDNN's matmul; training graphs keep it."""
+    becomes one attention operator, Q, K, V biased by the QKV GEMM's epilogue; training graphs keep it."""
     config = TINY.replace(dtype="bfloat16")
-    monkeypatch.setattr(attention_pass, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    apart, _ = compile_graphs(config, fuse_ops=True, mode="eval")
+    apart, _ = compile_graphs(config, fuse_ops=True, mode="eval", attention=False)
     assert "attention" not in _kinds(apart) and {"S", "A_bf16"} <= set(apart.tensors)
-    monkeypatch.setattr(attention_pass, "cpu_flags", lambda: AMX_FLAGS)
     fused, _ = compile_graphs(config, fuse_ops=True, mode="eval")
     assert _kinds(fused).count("attention") == 1 and _kinds(fused).count("contraction") == 4
     assert {c: t for c, (t, _) in fused.inputs_of(fused.find("attention")).items()} == {
@@ -155,20 +157,17 @@ def test_bench_attention_cli(tmp_path, capsys):
     assert "lengths >= 1" in capsys.readouterr().err
 
 
-needs_amx = pytest.mark.skipif(bool(missing_amx_flags()), reason="the bf16 fused attention runs on AMX")
-
-
-@needs_amx
-def test_bf16_fused_attention_on_amx_matches_float64_like_autocast():
-    """A float32 layer under autocast in inference runs the AMX kernel; against float64 it stays within
+@needs_bf16
+def test_bf16_fused_attention_matches_float64_like_autocast():
+    """A float32 layer under autocast in inference runs the bf16 kernel; against float64 it stays within
     2x of PyTorch's own layer under autocast, and within bf16 rounding of the unfused bf16 chain
     (several query blocks, a short last one, K = 300 not a multiple of the tile's 32, P = 4)."""
     config = TINY.replace(dtype="float32")
     layer = EncoderLayer(cached_compile(config)).eval()
     fused = cached_compile(config.replace(dtype="bfloat16"), mode="eval")
     apart = cached_compile(config.replace(dtype="bfloat16"), mode="eval", attention=False)
-    assert "ss::attention_forward_amx(" in fused.sources["forward"]
-    assert "ss::attention_forward_amx(" not in apart.sources["forward"]
+    assert "ss::attention_forward_bf16(" in fused.sources["forward"]
+    assert "ss::attention_forward_bf16(" not in apart.sources["forward"]
     assert _workspace(apart, 3, 300) - _workspace(fused, 3, 300) >= 3 * config.num_heads * 300 * 300 * 4
     torch.manual_seed(7)
     with torch.no_grad():
@@ -194,20 +193,29 @@ _HARNESS = r"""
 extern "C" int run(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha, const uint16_t* q,
                    const int64_t* qs, const uint16_t* k, const int64_t* ks, const uint16_t* v, const int64_t* vs,
                    const uint16_t* m, int64_t mb, int causal, uint16_t* y, const int64_t* ys) {
-  return ss::attention_forward_amx(B, H, J, K, P, alpha, q, qs, k, ks, v, vs, m, mb, causal, y, ys);
+#if KERNEL_AMX
+  if (!ss::amx_permitted()) return 1;
+  ss::attention_forward_amx(B, H, J, K, P, alpha, q, qs, k, ks, v, vs, m, mb, causal, y, ys);
+#else
+  ss::attention_forward_dp(B, H, J, K, P, alpha, q, qs, k, ks, v, vs, m, mb, causal, y, ys);
+#endif
+  return 0;
 }
 """
 
 
-@needs_amx
-def test_amx_kernel_shapes_masks_and_causal(tmp_path):
-    """ss::attention_forward_amx on its own (strided Q, K, V views of one QKV block): P of 4 to 80 (not
-    multiples of 32 included), J and K of 1 to 130, a fully masked sequence (zeros), causal masks;
-    against float64 within bf16 rounding, and no worse than PyTorch's SDPA in bf16 where it applies."""
+@needs_bf16
+@pytest.mark.parametrize("kernel", ["dp", pytest.param("amx", marks=pytest.mark.skipif(not AMX, reason="no AMX"))])
+def test_bf16_kernels_shapes_masks_and_causal(tmp_path, kernel):
+    """ss::attention_forward_amx and ss::attention_forward_dp on their own (strided Q, K, V views of one
+    QKV block): P of 3 to 80 (odd, not multiples of 32 included), J and K of 1 to 300, a fully masked
+    sequence (zeros), causal masks; against float64 within bf16 rounding, and no worse than PyTorch's
+    SDPA in bf16 where it applies."""
     tc = toolchain()
     (tmp_path / "harness.cpp").write_text(_HARNESS)
     lib_path = tmp_path / "harness.so"
-    subprocess.run([tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", str(tmp_path / "harness.cpp"),
+    subprocess.run([tc.cxx, *FLAGS, f"-DKERNEL_AMX={int(kernel == 'amx')}", f"-I{csrc_dir()}", f"-I{tc.blas_include}",
+                    str(tmp_path / "harness.cpp"),
                     "-o", str(lib_path)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(lib_path))
 
@@ -216,7 +224,8 @@ def test_amx_kernel_shapes_masks_and_causal(tmp_path):
     torch.manual_seed(8)
     for b, h, j, k, p, causal in [(2, 3, 128, 128, 32, False), (1, 2, 24, 24, 32, False), (2, 2, 17, 40, 64, False),
                                   (2, 1, 5, 7, 4, False), (2, 2, 33, 33, 48, True), (2, 2, 130, 130, 80, False),
-                                  (3, 1, 1, 1, 32, False)]:
+                                  (3, 1, 1, 1, 32, False), (2, 2, 9, 9, 5, False), (2, 2, 19, 19, 3, True),
+                                  (2, 3, 300, 300, 64, False)]:
         qkv = torch.randn(b, max(j, k), 3, h, p).bfloat16()
         q, key, v = qkv[:, :j, 0], qkv[:, :k, 1], qkv[:, :k, 2]
         mask = torch.zeros(b, k)
@@ -247,22 +256,19 @@ def test_amx_kernel_shapes_masks_and_causal(tmp_path):
             assert (y[live].double() - exact[live]).abs().max().item() <= 2 * sdpa_err + 1e-6
 
 
-def test_bench_attention_bf16(tmp_path, capsys, monkeypatch):
-    """``--attention-lengths --dtype bfloat16``: on AMX the bytes saved are S (float32) and the bf16
-    probabilities, each written and read once; without AMX a clear refusal."""
+@needs_bf16
+def test_bench_attention_bf16(tmp_path):
+    """``--attention-lengths --dtype bfloat16``: the bytes saved are S (float32) and the bf16
+    probabilities, each written and read once."""
     import json
 
     from substation.cli import main
-    if not missing_amx_flags():
-        out = tmp_path / "attention.json"
-        assert main(["bench", "tiny", "--attention-lengths", "40", "--dtype", "bfloat16", "--repeats", "2",
-                     "--warmup", "0", "--json", str(out)]) == 0
-        r = json.loads(out.read_text())
-        (row,) = r["lengths"]
-        assert r["config"]["dtype"] == "bfloat16"
-        scores = row["batch_size"] * TINY.num_heads * 40 * 40
-        assert row["bytes_saved"] == 2 * scores * 4 + 2 * scores * 2
-        assert row["attention_seconds"]["fused"]["median"] > 0
-    monkeypatch.setattr(attention_pass, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert main(["bench", "tiny", "--attention-lengths", "40", "--dtype", "bfloat16"]) == 2
-    assert "runs on AMX; this CPU lacks amx_bf16, amx_tile" in capsys.readouterr().err
+    out = tmp_path / "attention.json"
+    assert main(["bench", "tiny", "--attention-lengths", "40", "--dtype", "bfloat16", "--repeats", "2",
+                 "--warmup", "0", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (row,) = r["lengths"]
+    assert r["config"]["dtype"] == "bfloat16"
+    scores = row["batch_size"] * TINY.num_heads * 40 * 40
+    assert row["bytes_saved"] == 2 * scores * 4 + 2 * scores * 2
+    assert row["attention_seconds"]["fused"]["median"] > 0

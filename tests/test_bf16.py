@@ -16,7 +16,6 @@ from substation import EncoderLayer, ToolchainError
 from substation.backends.cpu import build as cpu_build
 from substation.backends.cpu.codegen import tensor_dtypes
 from substation.config import ConfigError, load_config
-from substation.passes.attention import missing_amx_flags
 from substation.perf.analysis import analyze
 from substation.pipeline import cached_compile, compile_graphs, compile_layer
 from substation.reference import ReferenceEncoderLayer, run_graph
@@ -658,10 +657,8 @@ def test_inference_builds_read_parameters_from_packed_copies_and_see_every_chang
     graphs = {mode: Pipeline().run(cfg, PipelineOptions(mode=mode), until="fusion").forward for mode in ("eval", "train")}
     marks = {mode: {op.label: op.attrs.get("packed_parameter") for op in g.operators() if op.kind == "contraction"}
              for mode, g in graphs.items()}
-    # the attention products read no parameter; they stay contractions where no fused bf16 kernel runs (no AMX)
-    unfused = {} if not missing_amx_flags() else {"scores": None, "context": None}
     assert marks["eval"] == {"qkv": "in_proj_weight", "out_proj": "out_proj_weight", "linear1": "linear1_weight",
-                             "linear2": "linear2_weight", **unfused}
+                             "linear2": "linear2_weight"}
     assert not any(marks["train"].values())
     with pytest.raises(ValueError, match="forward-only"):
         pack_parameters(graphs["train"])

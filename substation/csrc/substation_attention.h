@@ -1,4 +1,4 @@
-// Substation: fused attention for forward-only CPU builds (float and double).
+// Substation: fused attention for forward-only CPU builds (float, double and bfloat16).
 //
 // y[b, j, h, :] = sum_k softmax_k(alpha * q[b, j, h, :] . k[b, k, h, :] + mask[b, k]) v[b, k, h, :]
 // (q, k, v plus their biases, when given).
@@ -14,7 +14,8 @@
 // bfloat16 builds on a CPU with AMX (attention_forward_amx): the same method on the tile units. Scores
 // accumulate in float32 tiles, the softmax runs in float32, the exponentials are rounded to bf16 for
 // the product with V (float32 accumulation), y is rounded once: what PyTorch's fused CPU attention
-// computes under autocast.
+// computes under autocast. Without AMX (attention_forward_dp) the same arithmetic on AVX512-BF16's
+// VDPBF16PS; attention_forward_bf16 chooses.
 #pragma once
 
 #include <mkl_cblas.h>
@@ -173,6 +174,197 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
   }
 }
 
+#if defined(__AVX512BF16__)
+// exp of the lanes of t (t <= 0 or NaN: a score minus its row's maximum) that `tail` selects, zero in
+// the others, to 3e-6 relative: enough where the result is rounded to bf16 (2e-3), in 10 instructions
+// (exp_lanes: 15). 2^(t log2 e) = 2^k 2^f, k = round(t log2 e), f in [-1/2, 1/2], 2^f by a degree-4
+// polynomial fitted to the relative error on that interval; under e^-87.3 the result is 0.
+static inline __m512 exp_lanes_bf16(__m512 t, __mmask16 tail) {
+  constexpr float c0 = 0.99999928f, c1 = 0.69312185f, c2 = 0.24024744f, c3 = 0.055917766f, c4 = 0.0095700528f;
+  const __m512 lo = _mm512_set1_ps(expf_constants::lo);
+  const __mmask16 live = _mm512_cmp_ps_mask(t, lo, _CMP_NLT_UQ) & tail;
+  const __m512 y = _mm512_mul_ps(_mm512_max_ps(lo, t), _mm512_set1_ps(expf_constants::log2e));
+  const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, k);
+  __m512 p = _mm512_set1_ps(c4);
+  for (const float c : {c3, c2, c1, c0}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_maskz_scalef_ps(live, p, k);
+}
+
+// One query's scores s[0, K) (float, unscaled): alpha s + mask and the causal mask in one pass that
+// also finds the maximum, then the exponentials, their float sum and their bf16 rounding (zero from the
+// key count on, to Kp) into p in a second; returns 1 / the sum (0 when every score is -inf).
+static inline float bf16_probabilities(float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp, float alpha,
+                                      const bf16_t* mask, bool causal, int64_t query) {
+  const int64_t live = causal ? std::min<int64_t>(K, query + 1) : K;  // keys past the query are -inf
+  const __m512 scale = _mm512_set1_ps(alpha);
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < live; i += 16) {
+    const __mmask16 tail = first_lanes(live - i);
+    __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), scale);
+    if (mask) {
+      const __m256i m = _mm256_maskz_loadu_epi16(tail, mask + i);
+      t = _mm512_add_ps(t, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16)));
+    }
+    _mm512_mask_storeu_ps(s + i, tail, t);
+    mx = _mm512_mask_max_ps(mx, tail, mx, t);
+  }
+  float top = _mm512_reduce_max_ps(mx);
+  if (top == -INFINITY) top = 0;
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < Kp; i += 16) {
+    const __mmask16 tail = first_lanes(live - i);
+    const __m512 e = exp_lanes_bf16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift), tail);
+    acc = _mm512_add_ps(acc, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  const float sum = _mm512_reduce_add_ps(acc);
+  return sum == 0 ? 0.0f : 1.0f / sum;
+}
+
+// The context rows of a block, each scaled by its 1 / sum and rounded once: y[r, p] = bf16(o[r, p] inv[r])
+// for r < rows, p < P (o row stride ldo, y row stride ldy).
+static inline void store_scaled_rows(int64_t rows, int64_t P, const float* o, int64_t ldo, const float* inv,
+                                     bf16_t* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = o + r * ldo;
+    bf16_t* out = y + r * ldy;
+    const float scale = inv[r];
+#pragma omp simd
+    for (int64_t p = 0; p < P; ++p) out[p] = float_to_bf16(row[p] * scale);
+  }
+}
+
+// The AVX512-BF16 kernel (attention_forward_dp, CPUs without AMX): VDPBF16PS multiplies pairs of bf16
+// and adds both products to a float32 lane, so each operand is packed as pairs along its reduction.
+
+// K^T of one head: for each block of 32 keys nb and pair t of P (pairs = ceil(P / 2)), 32 uint32 at
+// out + (nb pairs + t) 32, lane i holding (k[32 nb + i, 2t], k[32 nb + i, 2t + 1]): the 32-bit
+// transpose of 16 keys x 16 pairs at a time, in registers. Elements >= P are zero; the lanes of keys
+// >= K in a last half-block are left as they are (the probabilities never read their scores).
+static inline void dp_pack_keys(int64_t K, int64_t P, const bf16_t* k, int64_t ld, int64_t pairs,
+                                uint32_t* __restrict__ out) {
+  for (int64_t key0 = 0; key0 < K; key0 += 16)
+    for (int64_t pb = 0; pb < pairs; pb += 16) {
+      const int64_t cols = std::min<int64_t>(32, P - 2 * pb);
+      const __mmask32 live = cols >= 32 ? ~0u : (1u << cols) - 1;
+      __m512 r[16];
+      for (int64_t n = 0; n < 16; ++n)
+        r[n] = key0 + n < K ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(live, k + (key0 + n) * ld + 2 * pb))
+                            : _mm512_setzero_ps();
+      transpose16(r);
+      uint32_t* block = out + (key0 / 32) * pairs * 32 + key0 % 32;
+      for (int64_t t = pb; t < std::min<int64_t>(pairs, pb + 16); ++t)
+        _mm512_storeu_ps(reinterpret_cast<float*>(block + t * 32), r[t - pb]);
+    }
+}
+
+// V of one head: for each pair of keys t (key_pairs = ceil(K / 2)), `width` (a multiple of 32)
+// columns at out + t width 2, column c holding (v[2t, c], v[2t + 1, c]). Keys >= K and columns >= P
+// are zero.
+static inline void dp_pack_values(int64_t K, int64_t P, const bf16_t* v, int64_t ld, int64_t key_pairs,
+                                  int64_t width, bf16_t* __restrict__ out) {
+  alignas(64) static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i order = _mm512_load_si512(interleave);
+  for (int64_t t = 0; t < key_pairs; ++t)
+    for (int64_t c0 = 0; c0 < width; c0 += 16) {
+      const __mmask16 live = first_lanes(P - c0);
+      const int64_t key = 2 * t;
+      const __m512i even = _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(live, v + key * ld + c0));
+      const __m512i odd = key + 1 < K ? _mm512_zextsi256_si512(_mm256_maskz_loadu_epi16(live, v + (key + 1) * ld + c0))
+                                      : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + (t * width + c0) * 2, _mm512_permutex2var_epi16(even, order, odd));
+    }
+}
+
+// C[R x 32] (float32, row stride ldc) = sum over t < pairs of A[r, pair t] B_t: A bf16 rows (row stride
+// lda elements, pair t at 2t), B_t the 32 packed uint32 at b + t b_step. R x 2 accumulators in registers:
+// one broadcast and two VDPBF16PS per row and pair.
+template <int R>
+static inline void dp_rows(int64_t pairs, const bf16_t* a, int64_t lda, const uint32_t* b, int64_t b_step,
+                           float* c, int64_t ldc) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < pairs; ++t) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + t * b_step);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + t * b_step + 16);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * t, sizeof pair);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+  }
+}
+
+// Queries per register block of dp_rows (2 R + 3 of the 32 zmm registers).
+constexpr int DP_ROWS = 8;
+
+static inline void dp_block(int rows, int64_t pairs, const bf16_t* a, int64_t lda, const uint32_t* b,
+                            int64_t b_step, float* c, int64_t ldc) {
+  switch (rows) {
+    case 8: return dp_rows<8>(pairs, a, lda, b, b_step, c, ldc);
+    case 7: return dp_rows<7>(pairs, a, lda, b, b_step, c, ldc);
+    case 6: return dp_rows<6>(pairs, a, lda, b, b_step, c, ldc);
+    case 5: return dp_rows<5>(pairs, a, lda, b, b_step, c, ldc);
+    case 4: return dp_rows<4>(pairs, a, lda, b, b_step, c, ldc);
+    case 3: return dp_rows<3>(pairs, a, lda, b, b_step, c, ldc);
+    case 2: return dp_rows<2>(pairs, a, lda, b, b_step, c, ldc);
+    default: return dp_rows<1>(pairs, a, lda, b, b_step, c, ldc);
+  }
+}
+
+// The bf16 attention on AVX512-BF16 dot products; arguments and semantics as attention_forward_amx's
+// (float32 scores and softmax, bf16 exponentials, float32 context, y rounded once). Per (b, h): K^T and
+// V packed as pairs, then blocks of DP_ROWS queries: their scores against every key, the probabilities,
+// the context, scaled by 1 / sum and rounded into y.
+static inline void attention_forward_dp(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha,
+                                        const bf16_t* q, const int64_t* q_s, const bf16_t* k, const int64_t* k_s,
+                                        const bf16_t* v, const int64_t* v_s, const bf16_t* mask, int64_t mask_b,
+                                        bool causal, bf16_t* y, const int64_t* y_s) {
+  const int64_t Kp = (K + 31) / 32 * 32, pairs = (P + 1) / 2, key_pairs = (K + 1) / 2, width = (P + 31) / 32 * 32;
+#pragma omp parallel
+  {
+    std::vector<uint32_t> kt((size_t)(Kp * pairs));
+    std::vector<bf16_t> vt((size_t)(key_pairs * width * 2)), pr((size_t)(DP_ROWS * Kp)),
+        qr((size_t)(DP_ROWS * 2 * pairs), bf16_t(0));
+    std::vector<float> s((size_t)(DP_ROWS * Kp)), o((size_t)(DP_ROWS * width));
+    float inv[DP_ROWS];
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        dp_pack_keys(K, P, k + b * k_s[0] + h * k_s[2], k_s[1], pairs, kt.data());
+        dp_pack_values(K, P, v + b * v_s[0] + h * v_s[2], v_s[1], key_pairs, width, vt.data());
+        const bf16_t* mb = mask ? mask + b * mask_b : nullptr;
+        for (int64_t j0 = 0; j0 < J; j0 += DP_ROWS) {
+          const int nj = (int)std::min<int64_t>(DP_ROWS, J - j0);
+          const bf16_t* qb = q + b * q_s[0] + j0 * q_s[1] + h * q_s[2];
+          int64_t q_ld = q_s[1];
+          if (P % 2 != 0) {  // a pair reads one element past the row: give it a zero
+            for (int r = 0; r < nj; ++r) std::memcpy(qr.data() + r * 2 * pairs, qb + r * q_ld, sizeof(bf16_t) * P);
+            qb = qr.data(), q_ld = 2 * pairs;
+          }
+          for (int64_t nb = 0; nb < Kp / 32; ++nb)
+            dp_block(nj, pairs, qb, q_ld, kt.data() + nb * pairs * 32, 32, s.data() + nb * 32, Kp);
+          for (int r = 0; r < nj; ++r)
+            inv[r] = bf16_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
+          const uint32_t* values = reinterpret_cast<const uint32_t*>(vt.data());
+          for (int64_t c0 = 0; c0 < width; c0 += 32)
+            dp_block(nj, key_pairs, pr.data(), Kp, values + c0, width, o.data() + c0, width);
+          store_scaled_rows(nj, P, o.data(), width, inv, y + b * y_s[0] + j0 * y_s[1] + h * y_s[2], y_s[1]);
+        }
+      }
+  }
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // Linux gives a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA, kernel 5.16 and later); oneDNN and PyTorch make the same request.
@@ -234,38 +426,6 @@ static inline void amx_pack_values(int64_t K, int64_t P, const bf16_t* v, int64_
     }
 }
 
-// One query's scores s[0, K) (float, unscaled): alpha s + mask and the causal mask in one pass that
-// also finds the maximum, then the exponentials, their float sum and their bf16 rounding (zero from the
-// key count on, to Kp) into p in a second; returns 1 / the sum (0 when every score is -inf).
-static inline float amx_probabilities(float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp, float alpha,
-                                      const bf16_t* mask, bool causal, int64_t query) {
-  const int64_t live = causal ? std::min<int64_t>(K, query + 1) : K;  // keys past the query are -inf
-  const __m512 scale = _mm512_set1_ps(alpha);
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < live; i += 16) {
-    const __mmask16 tail = first_lanes(live - i);
-    __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), scale);
-    if (mask) {
-      const __m256i m = _mm256_maskz_loadu_epi16(tail, mask + i);
-      t = _mm512_add_ps(t, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16)));
-    }
-    _mm512_mask_storeu_ps(s + i, tail, t);
-    mx = _mm512_mask_max_ps(mx, tail, mx, t);
-  }
-  float top = _mm512_reduce_max_ps(mx);
-  if (top == -INFINITY) top = 0;
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < Kp; i += 16) {
-    const __mmask16 tail = first_lanes(live - i);
-    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift), tail);
-    acc = _mm512_add_ps(acc, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
-  }
-  const float sum = _mm512_reduce_add_ps(acc);
-  return sum == 0 ? 0.0f : 1.0f / sum;
-}
-
 // C[16 x 32] (float32, row stride ldc bytes) = sum over `steps` of A_s B_s: A_s the 16 x 32 bf16 at
 // a + 64 s (row stride lda bytes), B_s the VNNI tile pair at b + s b_step and b + s b_step + 1024 (one
 // tile for C's first 16 columns, one for the next), in accumulator tiles 0 and 1.
@@ -287,13 +447,12 @@ static inline void amx_block_times_tile_pair(int64_t steps, const char* a, int64
 // The bf16 attention on AMX; arguments as attention_forward's (no biases: bf16 builds add them in the
 // QKV GEMM's epilogue). Per (b, h): K^T and V packed as tiles, then blocks of 16 queries: scores in
 // two float32 accumulator tiles at a time, the probabilities of the block in bf16, the context in two
-// accumulator tiles at a time, scaled by 1 / sum and rounded into y. Returns 1 when the process may not
-// use AMX (the caller reports it), else 0.
-static inline int attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha,
+// accumulator tiles at a time, scaled by 1 / sum and rounded into y. Only where amx_permitted()
+// (attention_forward_bf16 asks).
+static inline void attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha,
                                         const bf16_t* q, const int64_t* q_s, const bf16_t* k, const int64_t* k_s,
                                         const bf16_t* v, const int64_t* v_s, const bf16_t* mask, int64_t mask_b,
                                         bool causal, bf16_t* y, const int64_t* y_s) {
-  if (!amx_permitted()) return 1;
   const int64_t Kp = (K + 31) / 32 * 32, Pp = (P + 31) / 32 * 32, key_blocks = Kp / 16, col_blocks = Pp / 16;
 #pragma omp parallel
   {
@@ -323,24 +482,30 @@ static inline int attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_t
             amx_block_times_tile_pair(Pp / 32, reinterpret_cast<const char*>(qb), q_ld * sizeof(bf16_t),
                                       keys + nb * 1024, key_blocks * 1024, s.data() + nb * 16, Kp * sizeof(float));
           for (int64_t r = 0; r < nj; ++r)
-            inv[r] = amx_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
+            inv[r] = bf16_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
           const char* values = reinterpret_cast<const char*>(vt.data());
           for (int64_t cb = 0; cb < col_blocks; cb += 2)
             amx_block_times_tile_pair(Kp / 32, reinterpret_cast<const char*>(pr.data()), Kp * sizeof(bf16_t),
                                       values + cb * 1024, col_blocks * 1024, o.data() + cb * 16, Pp * sizeof(float));
-          bf16_t* yb = y + b * y_s[0] + j0 * y_s[1] + h * y_s[2];
-          for (int64_t r = 0; r < nj; ++r) {
-            const float* row = o.data() + r * Pp;
-            bf16_t* out = yb + r * y_s[1];
-            const float scale = inv[r];
-#pragma omp simd
-            for (int64_t p = 0; p < P; ++p) out[p] = float_to_bf16(row[p] * scale);
-          }
+          store_scaled_rows(nj, P, o.data(), Pp, inv, y + b * y_s[0] + j0 * y_s[1] + h * y_s[2], y_s[1]);
         }
       }
     _tile_release();
   }
-  return 0;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The bf16 attention of bfloat16 inference builds: on AMX where this build has it and Linux grants the
+// process the tile state, else on AVX512-BF16 dot products.
+static inline void attention_forward_bf16(int64_t B, int64_t H, int64_t J, int64_t K, int64_t P, float alpha,
+                                          const bf16_t* q, const int64_t* q_s, const bf16_t* k, const int64_t* k_s,
+                                          const bf16_t* v, const int64_t* v_s, const bf16_t* mask, int64_t mask_b,
+                                          bool causal, bf16_t* y, const int64_t* y_s) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_permitted()) return attention_forward_amx(B, H, J, K, P, alpha, q, q_s, k, k_s, v, v_s, mask, mask_b, causal, y, y_s);
+#endif
+  attention_forward_dp(B, H, J, K, P, alpha, q, q_s, k, k_s, v, v_s, mask, mask_b, causal, y, y_s);
 }
 #endif
 

@@ -1,7 +1,7 @@
 """Fused against unfused attention in the inference build (``substation bench CONFIG --attention-lengths``).
 
 For each sequence length L, :func:`run_bench_attention` builds the config's forward-only library twice
-(instrumented, float32 or float64 as the config says, or bfloat16 on a CPU with AMX): with the
+(instrumented, float32, float64 or bfloat16 as the config says): with the
 ``attention`` kernel (:mod:`substation.passes.attention`) and with the chain (Q/K/V bias where the kernel
 takes it, scores, mask + softmax (MS), context) kept apart (``PipelineOptions.attention=False``), and times both in
 interleaved rounds in one process. It
@@ -18,7 +18,6 @@ import ctypes
 from typing import Callable
 
 from ..config import EncoderConfig, load_config
-from ..passes.attention import missing_amx_flags
 from .analysis import operator_count
 from .probes import machine_info
 from .timing import interleaved_rounds, sample_stats, set_substation_threads
@@ -54,8 +53,7 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
     """Time the fused attention kernel against the unfused chain (see the module docstring).
 
     Args:
-        config: a config, YAML path or bundled name (target ``cpu``, float32 or float64, or bfloat16
-            on a CPU with AMX). dtype: replaces the config's dtype, when given.
+        config: a config, YAML path or bundled name (target ``cpu``, float32, float64 or bfloat16). dtype: replaces the config's dtype, when given.
         lengths: sequence lengths L, each >= 1.
         repeats: interleaved rounds per length, >= 1. warmup: untimed calls of each first, >= 0.
         progress: called with a short message before each phase.
@@ -69,7 +67,7 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
 
     Raises:
         ValueError: repeats < 1, warmup < 0, an empty or non-positive length, or a config the fused
-            kernel is not for (target cuda, float16, bfloat16 on a CPU without AMX).
+            kernel is not for (target cuda, float16).
         ConfigError, FileNotFoundError, ToolchainError, BuildError: from loading and compiling.
     """
     import torch
@@ -86,9 +84,6 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
     if config.target != "cpu" or config.dtype not in ("float32", "float64", "bfloat16"):
         raise ValueError(f"the fused attention kernel is for float32, float64 and bfloat16 CPU builds; the config "
                          f"is {config.dtype} for target {config.target}")
-    missing = missing_amx_flags() if config.dtype == "bfloat16" else frozenset()
-    if missing:
-        raise ValueError(f"the bfloat16 fused attention runs on AMX; this CPU lacks {', '.join(sorted(missing))}")
     say = progress or (lambda msg: None)
     machine = machine_info()
     torch.set_num_threads(machine["threads"])

@@ -99,10 +99,10 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
 
 
 def emit_attention(em, op, ops: dict[str, Operand]) -> None:
-    """One ``ss::attention_forward`` call (substation_attention.h), ``ss::attention_forward_amx`` in
-    bfloat16 builds (which return 1 with the error set when the process may not use AMX): per (B, H,
-    query block) the scores stay in a per-thread buffer. Q, K, V, Y and the biases of Q, K, V (if any)
-    need P contiguous, the mask K contiguous.
+    """One ``ss::attention_forward`` call (substation_attention.h), ``ss::attention_forward_bf16`` in
+    bfloat16 builds (AMX tiles where the CPU has them and Linux grants them, else AVX512-BF16 dot
+    products): per (B, H, query block) the scores stay in a per-thread buffer. Q, K, V, Y and the
+    biases of Q, K, V (if any) need P contiguous, the mask K contiguous.
 
     Raises:
         LayoutError: an operand without unit stride along P, a mask without unit stride along K, biases
@@ -134,14 +134,10 @@ def emit_attention(em, op, ops: dict[str, Operand]) -> None:
         bias = "ss::AttentionBias<T>{}"
     args = (f"{pointer(ops['q'])}, q_s_, {pointer(ops['k'])}, k_s_, {pointer(ops['v'])}, v_s_, {m_ptr}, {m_b}, "
             f"{str(bool(op.attrs.get('causal'))).lower()}, {pointer(ops['y'])}, y_s_")
-    if em.cfg.dtype == "bfloat16":  # the pass fuses bf16 attention only on CPUs with AMX
+    if em.cfg.dtype == "bfloat16":
         if biases:
             raise LayoutError(f"{op.label}: the bf16 kernel takes Q, K, V biased (the QKV GEMM's epilogue)")
-        em.w(f"if (ss::attention_forward_amx(B, H, J, K, P, {op.attrs['alpha']!r}f, {args}) != 0) {{")
-        em.w('  ss::last_error() = "fused attention: Linux refused this process the AMX tile state '
-             '(arch_prctl ARCH_REQ_XCOMP_PERM); compile with attention=False";')
-        em.w("  return 1;")
-        em.w("}")
+        em.w(f"ss::attention_forward_bf16(B, H, J, K, P, {op.attrs['alpha']!r}f, {args});")
         return
     em.w(f"ss::attention_forward<T>(B, H, J, K, P, T({op.attrs['alpha']!r}), {args}, {bias});")
 
