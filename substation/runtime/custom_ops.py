@@ -29,10 +29,17 @@ def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
 
 
 def queries_differ(mask: torch.Tensor) -> bool:
-    """Whether a ``[B, 1, J, K]`` mask's rows differ between queries j (reads the data)."""
+    """Whether a ``[B, H, J, K]`` mask's rows differ between queries j (reads the data)."""
     if mask.shape[2] == 1 or mask.stride(2) == 0:
         return False
     return not bool((mask == mask[:, :, :1, :]).all())
+
+
+def heads_differ(mask: torch.Tensor) -> bool:
+    """Whether a ``[B, H, J, K]`` mask differs between heads h (reads the data)."""
+    if mask.shape[1] == 1 or mask.stride(1) == 0:
+        return False
+    return not bool((mask == mask[:, :1]).all())
 
 
 def check_mask_values(mask: torch.Tensor) -> None:
@@ -355,7 +362,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     (:meth:`~substation.runtime.CompiledLayer.for_autocast`); a half-precision layer under autocast takes
     float32 inputs and float32 (master) parameters, cast inside the operator once per call (the copies
     are kept for backward; parameter gradients reach the float32 parameters). Under autocast a CPU layer
-    returns float32 (a CUDA one when its parameters are float32), as PyTorch's own layer does there.
+    returns the input's dtype (float32 or bfloat16) and a CUDA one float32 when its parameters are
+    float32, as Hugging Face's ``BertLayer`` does there.
 
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
@@ -401,6 +409,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
                 raise TypeError(f"hidden_states has dtype {x.dtype}; under bf16 autocast this float32 layer runs its "
                                 f"bfloat16 build, which takes float32 or bfloat16 input")
             raise TypeError(f"hidden_states has dtype {x.dtype} but the layer was compiled for {dtype}")
+    input_dtype = x.dtype
     # Mixed-precision builds take X in float32 (their residual stream, as autocast keeps it).
     x = x.to(ALL_TORCH_DTYPES[boundary_dtype(DTYPE_NAMES[dtype], config.target)])
     if x.shape[0] == 0 or x.shape[1] == 0:
@@ -448,10 +457,14 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     outputs = op(compiled.key, x.contiguous(), mask, key_padding_mask is None,
                              [p if p.is_contiguous() else p.contiguous() for p in flat], seed, training,
                              forward_only, bf16_autocast, parts)
-    # Under autocast the output is float32, as PyTorch's layer gives it (autocast runs layer norm in
-    # float32): on the CPU always, on CUDA when the parameters are float32 masters.
-    if cast and (device_type == "cpu" or (flat and all(p.dtype == torch.float32 for p in flat))):
-        return outputs[0].float()
+    # Under autocast the output has the dtype Hugging Face's layer gives there: on the CPU the input's
+    # (CPU autocast leaves the residual add and layer norm in their inputs' dtype), on CUDA float32 when
+    # the parameters are float32 masters (CUDA autocast runs layer norm in float32).
+    if cast:
+        if device_type == "cpu":
+            return outputs[0].to(input_dtype)
+        if flat and all(p.dtype == torch.float32 for p in flat):
+            return outputs[0].float()
     return outputs[0].to(dtype)
 
 
