@@ -12,16 +12,18 @@ from .pipeline import compile_layer
 from .version import __version__
 
 
-def compile(config, progress=None) -> EncoderLayer:  # noqa: A001 - the package's verb
+def compile(config, progress=None, fp32_gemm: str = "mkl") -> EncoderLayer:  # noqa: A001 - the package's verb
     """Compile an encoder config (an :class:`EncoderConfig`, a YAML path, a mapping or a bundled
     config name such as ``"bert-base"``) into an :class:`EncoderLayer` with freshly initialised
-    parameters.
+    parameters. ``progress``, if given, is called with each pass name as it starts; ``fp32_gemm`` is the
+    library of a float32 build's token-wise GEMMs, ``"mkl"`` (default) or ``"onednn"`` (faster on AMD
+    Zen 4; :class:`~substation.pipeline.PipelineOptions`, docs/toolchain.md); other dtypes ignore it.
 
     Raises:
-        ConfigError: an invalid config. FileNotFoundError: no such config file.
-        ToolchainError, BuildError: the C++ compiler or MKL is missing, or compilation failed.
+        ConfigError: an invalid config. FileNotFoundError: no such config file. ValueError: an unknown
+        ``fp32_gemm``. ToolchainError, BuildError: the C++ compiler or MKL is missing, or compilation failed.
     """
-    return EncoderLayer(compile_layer(config, progress))
+    return EncoderLayer(compile_layer(config, progress, fp32_gemm=fp32_gemm))
 
 
 __all__ = ["BuildError", "ConfigError", "LayoutError", "ToolchainError", "EncoderConfig", "EncoderLayer", "compile", "load_config", "optimize", "__version__"]

@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 
+from .backends.cpu.codegen import FP32_GEMM_LIBRARIES
 from .files import OutputError, check_output_dir, publish_dir, publish_files
 
 __all__ = ["main"]
@@ -128,7 +129,8 @@ def cmd_compile(args) -> int:
         bar.set_postfix_str(name)
     t0 = time.perf_counter()
     try:
-        compiled = compile_layer(config, progress=step, fuse=not args.no_fuse, layout=args.layout)
+        compiled = compile_layer(config, progress=step, fuse=not args.no_fuse, layout=args.layout,
+                                 fp32_gemm=args.fp32_gemm)
         bar.n = bar.total
     finally:
         bar.close()
@@ -258,6 +260,10 @@ def cmd_bench(args) -> int:
         print("substation: error: --dtype applies to the Substation vs PyTorch comparison; for --kernels or "
               "--compare-layouts set the config's dtype key", file=sys.stderr)
         return 2
+    if args.fp32_gemm != "mkl" and (args.compare_layouts or args.attention_lengths is not None):
+        print("substation: error: --fp32-gemm applies to the Substation vs PyTorch comparison and --kernels; "
+              "--compare-layouts and --attention-lengths use the default library", file=sys.stderr)
+        return 2
     if args.compare_layouts:
         return cmd_compare_layouts(args)
     if args.attention_lengths is not None:
@@ -279,12 +285,13 @@ def cmd_bench(args) -> int:
         return _write_outputs(args, result, bench_report.write_json, None)
     if args.kernels:
         result = bench.kernel_table(args.config, repeats=args.repeats, warmup=args.warmup,
-                                    batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout)
+                                    batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout,
+                                    fp32_gemm=args.fp32_gemm)
         text, plot = bench_report.format_kernels(result), bench_report.plot_kernels
     else:
         result = bench.run_bench(args.config, repeats=args.repeats, warmup=args.warmup, batch_size=args.batch_size,
                                  seq_len=args.seq_len, include_compile=not args.no_compile, hf_attn=args.hf_attn,
-                                 layout=args.layout, mode=args.mode, dtype=args.dtype,
+                                 layout=args.layout, mode=args.mode, dtype=args.dtype, fp32_gemm=args.fp32_gemm,
                                  progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         text, plot = bench_report.format_bench(result), bench_report.plot_bench
     print(text)
@@ -319,13 +326,14 @@ def cmd_bench_model(args) -> int:
         if train:
             result = bench_model.run_bench_model(
                 spec, head=args.head or "both", batch=batch, seq_len=seq_len, rounds=args.rounds,
-                warmup=args.warmup, include_compile=not args.no_compile, progress=say)
+                warmup=args.warmup, include_compile=not args.no_compile, fp32_gemm=args.fp32_gemm, progress=say)
             text = bench_model.format_bench_model(result)
         else:
             shapes = bench_model_eval.SHAPES if args.shapes is None else bench_model_eval.parse_shapes(args.shapes)
             result = bench_model_eval.run_bench_model_eval(
                 spec, shapes=shapes, rounds=args.rounds, warmup=args.warmup, include_compile=not args.no_compile,
-                include_ort=not args.no_ort, dtype=args.dtype or "float32", progress=say)
+                include_ort=not args.no_ort, dtype=args.dtype or "float32", fp32_gemm=args.fp32_gemm,
+                progress=say)
             text = bench_model_eval.format_bench_model_eval(result)
     except (ValueError, ImportError) as e:
         print(f"substation: error: {e}", file=sys.stderr)
@@ -411,6 +419,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _add_fp32_gemm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fp32-gemm", choices=FP32_GEMM_LIBRARIES, default="mkl",
+                   help="library of float32 layers' token-wise GEMMs: mkl (default) or onednn (faster on AMD "
+                        "Zen 4; docs/toolchain.md); other dtypes ignore it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``substation`` command."""
     parser = argparse.ArgumentParser(prog="substation", description=__doc__)
@@ -426,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=("cpu", "cuda"),
                    help="code-generation target (default: the config's); cuda needs nvcc >= 12 and cuBLAS")
     p.add_argument("--cuda-arch", metavar="SM", help="GPU architecture of a CUDA build (default sm_90: H100/H200)")
+    _add_fp32_gemm(p)
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("tune", help="measure layout candidates on this machine; write a layout plan")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")
@@ -481,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"),
                    help="override the config's dtype; bfloat16: every implementation under CPU bf16 autocast "
                         "with float32 weights")
+    _add_fp32_gemm(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("bench-model", help="time whole-model training steps (or with --mode eval, inference) of a "
                                            "Hugging Face BERT with and without substation.optimize")
@@ -506,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with float32 weights (ONNX Runtime left out)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="train: also write a bar chart")
+    _add_fp32_gemm(p)
     p.set_defaults(func=cmd_bench_model)
     return parser
 

@@ -75,7 +75,7 @@ class EncoderLayer(nn.Module):
         self.__dict__.update(state)
 
     @classmethod
-    def from_hf(cls, hf_layer: nn.Module, **config_overrides) -> "EncoderLayer":
+    def from_hf(cls, hf_layer: nn.Module, fp32_gemm: str = "mkl", **config_overrides) -> "EncoderLayer":
         """Compile a standalone :class:`~substation.EncoderLayer` equivalent to a Hugging Face encoder layer
         (any family :func:`optimize` converts: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT,
         ViT, DeiT) and copy its weights into it (Substation's parameter names: ``in_proj_weight`` [3I, I] =
@@ -83,19 +83,20 @@ class EncoderLayer(nn.Module):
         in the source's train/eval mode and its parameters require grad where the source's did.
 
         See :func:`layer_config` for what is read from the layer; compiled builds are shared per process
-        by config.
+        by config. ``fp32_gemm``: the library of a float32 build's token-wise GEMMs, ``"mkl"`` (default)
+        or ``"onednn"`` (:class:`~substation.pipeline.PipelineOptions`; other dtypes ignore it).
 
         Returns:
             An :class:`~substation.EncoderLayer`; ``forward(hidden_states [B, J, I], attention_mask)``.
 
         Raises:
             ValueError (:class:`~substation.interop.families.NotConvertible`): a layer Substation cannot
-                convert; the message says why. ConfigError: a bad override. ToolchainError, BuildError:
-                compilation failed.
+                convert; the message says why; an unknown ``fp32_gemm``. ConfigError: a bad override.
+                ToolchainError, BuildError: compilation failed.
         """
         config = layer_config(hf_layer, **config_overrides)
         family = family_of(hf_layer)
-        new = cls(cached_compile(config))
+        new = cls(cached_compile(config, fp32_gemm=fp32_gemm))
         sources = [torch.cat(t) if isinstance(t, tuple) else t for t in family.tensors(hf_layer)]  # keeps requires_grad
         with torch.no_grad():
             for name, src in zip(PARAMETER_NAMES, sources):
@@ -108,7 +109,8 @@ class EncoderLayer(nn.Module):
         return new
 
     @classmethod
-    def from_torch(cls, layer: nn.TransformerEncoderLayer, **config_overrides) -> "EncoderLayer":
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, fp32_gemm: str = "mkl",
+                   **config_overrides) -> "EncoderLayer":
         """Compile an :class:`~substation.EncoderLayer` equivalent to ``torch.nn.TransformerEncoderLayer``
         and copy its weights.
 
@@ -118,7 +120,7 @@ class EncoderLayer(nn.Module):
         ``norm_first`` -> ``layer_norm: pre`` (else ``post``); dropout probabilities (``self_attn.dropout``
         -> attention, ``dropout1.p`` = ``dropout2.p`` -> hidden, ``dropout.p`` -> activation); the LayerNorm
         eps; the dtype of the weights. Nominal B = 1, L = 512, ``mask: padding``; ``config_overrides`` are
-        applied last with :meth:`EncoderConfig.replace`.
+        applied last with :meth:`EncoderConfig.replace`. ``fp32_gemm``: as :meth:`from_hf`.
 
         The parameters have the same names and shapes as PyTorch's (``in_proj_weight`` [3I, I],
         ``in_proj_bias`` [3I], ``out_proj_weight`` [I, I], ``linear1_weight`` [U, I], ``linear2_weight``
@@ -134,7 +136,8 @@ class EncoderLayer(nn.Module):
                 ``add_zero_attn``, an unsupported activation (named in the message), differing
                 ``dropout1``/``dropout2`` probabilities or LayerNorm eps, or not a TransformerEncoderLayer.
             TypeError: weights that are not float32, float64 or bfloat16, or of mixed dtypes.
-            ConfigError: an invalid override. ToolchainError, BuildError: compilation failed.
+            ConfigError: an invalid override. ToolchainError, BuildError: compilation failed. ValueError:
+                also an unknown ``fp32_gemm``.
         """
         if not isinstance(layer, nn.TransformerEncoderLayer):
             raise ValueError(f"expected a torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
@@ -172,7 +175,7 @@ class EncoderLayer(nn.Module):
             dropout=DropoutConfig(attention=float(sa.dropout), hidden=p1, activation=float(layer.dropout.p)),
             layer_norm_eps=float(layer.norm1.eps), dtype=DTYPE_NAMES[next(iter(dtypes))], mask="padding",
             target="cpu", name="torch-encoder-layer").replace(**config_overrides)
-        new = cls(cached_compile(config))
+        new = cls(cached_compile(config, fp32_gemm=fp32_gemm))
         sources = {"in_proj_weight": sa.in_proj_weight, "in_proj_bias": sa.in_proj_bias,
                    "out_proj_weight": sa.out_proj.weight, "out_proj_bias": sa.out_proj.bias,
                    **{f"{m}_{p}": getattr(getattr(layer, m), p) for m in ("linear1", "linear2", "norm1", "norm2")

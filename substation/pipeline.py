@@ -76,8 +76,8 @@ class PipelineOptions:
         if self.mode not in MODES:
             raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.fp32_gemm not in FP32_GEMM_LIBRARIES:
-            raise ValueError(f"PipelineOptions.fp32_gemm must be one of {', '.join(FP32_GEMM_LIBRARIES)}, "
-                             f"got {self.fp32_gemm!r}")
+            raise ValueError(f"fp32_gemm (the library of float32 builds' token-wise GEMMs) must be one of "
+                             f"{', '.join(FP32_GEMM_LIBRARIES)}, got {self.fp32_gemm!r}")
         if self.mode == "eval" and self.layout not in (None, "default"):
             raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
                              "an inference build uses PyTorch's layouts (pass layout=None)")

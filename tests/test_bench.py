@@ -90,6 +90,11 @@ def test_machine_probes():
         rate = gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)])
         peak = max(before, fma_peak(dtype))
         assert peak > 0 and 0 < rate < 1.5 * peak, (dtype, before, peak, rate)
+    # oneDNN's float32 matmul as float32 builds with fp32_gemm="onednn" call it
+    rate = gemm_rate("float32", [(256, 256, 256)], fp32_gemm="onednn")
+    assert 0 < rate < 1.5 * peak, (rate, peak)
+    with pytest.raises(ValueError, match="fp32_gemm must be one of mkl, onednn, got 'blis'"):
+        gemm_rate("float32", fp32_gemm="blis")
     with pytest.raises(ValueError, match="dtype must be one of float32, float64, bfloat16, got 'float16'"):
         gemm_rate("float16")
     with pytest.raises(ValueError, match="dtype must be one of float32, float64, got 'bfloat16'"):
@@ -124,6 +129,21 @@ def test_bench_no_compile_overrides_and_reference_eager():
     assert "rows 1..2 padded from position 3" in r["mask"]
     text = bench_report.format_bench(r)
     assert "torch.compile skipped" in text
+
+
+def test_bench_float32_on_onednn_gemms(tmp_path, capsys):
+    """--fp32-gemm reaches the build and the limit's GEMM rate; where it does not apply it is refused."""
+    js = tmp_path / "b.json"
+    assert main(["bench", "tiny", "--dtype", "float32", "--fp32-gemm", "onednn", "--no-compile", "--repeats", "2",
+                 "--warmup", "0", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    assert r["fp32_gemm"] == "onednn" and r["dtype"] == "float32"
+    assert r["max_rel_error_vs_eager"] < 1e-5
+    med = r["median_seconds"]
+    check_limit(r["limit"], load_config(r["config"]), {n: med[n]["forward_backward"] for n in med})
+    assert "float32 (onednn GEMMs)" in capsys.readouterr().out
+    assert main(["bench", "tiny", "--compare-layouts", "--fp32-gemm", "onednn"]) == 2
+    assert "--fp32-gemm applies to" in capsys.readouterr().err
 
 
 def test_bench_kernels(tmp_path, capsys):

@@ -66,6 +66,7 @@ def test_bench_model_eval_all_implementations():
         assert s["implementations"]["hf_compile"]["compile_seconds"] > 0
     text = ev.format_bench_model_eval(r)
     assert "speedup_vs_hf_eager" in text and "[1x8]" in text and r["machine"]["cpu"] in text
+    assert r["fp32_gemm"] == "mkl" and "float32 (mkl GEMMs); machine: " in text
 
 
 def test_bench_model_eval_without_ort_cli(tmp_path, monkeypatch, capsys):

@@ -276,6 +276,39 @@ def test_optimize_bert_model(attn):
         assert packed_rel(a, b, am) <= 1e-10
 
 
+def test_optimize_with_onednn_float32_gemms():
+    """fp32_gemm reaches every layer's build, survives pickling, and the output stays within float32
+    rounding of Hugging Face's; an unknown library is refused before any layer is replaced."""
+    import pickle
+
+    torch.manual_seed(12)
+    model = BertModel(bert_config()).eval()
+    ids = torch.randint(0, 64, (B, J))
+    am = torch.ones(B, J, dtype=torch.long)
+    am[1, 4:] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am).last_hidden_state
+    with pytest.raises(ValueError, match="fp32_gemm .* must be one of mkl, onednn, got 'cublas'"):
+        optimize(model, fp32_gemm="cublas")
+    assert not any(isinstance(m, SubstationLayer) for m in model.modules())
+    optimize(model, fp32_gemm="onednn")
+    layers = [m for m in model.modules() if isinstance(m, SubstationLayer)]
+    assert len(layers) == 2 and all(m.substation_compiled.options["fp32_gemm"] == "onednn" for m in layers)
+    build = layers[0].substation_compiled
+    assert build.sources["forward"].count("ss::matmul<float>(") == 4                  # the token-wise GEMMs
+    assert build.forward_only().sources["forward"].count("ss::matmul<float>(") == 4   # what eval calls run
+    copied = pickle.loads(pickle.dumps(model))
+    assert all(m.substation_compiled.options["fp32_gemm"] == "onednn"
+               for m in copied.modules() if isinstance(m, SubstationLayer))
+    with torch.no_grad():
+        out, out_copy = model(input_ids=ids, attention_mask=am).last_hidden_state, \
+            copied(input_ids=ids, attention_mask=am).last_hidden_state
+    assert packed_rel(out, ref, am) < 1e-5
+    assert torch.equal(out, out_copy)
+    single = from_hf(hf_layer(torch.float32), fp32_gemm="onednn")
+    assert single.compiled.options["fp32_gemm"] == "onednn"
+
+
 def test_output_attentions_runs_the_hugging_face_forward():
     torch.manual_seed(9)
     plain = BertModel(bert_config(attn_implementation="eager")).double().eval()

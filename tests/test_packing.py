@@ -61,7 +61,10 @@ def test_masks_that_pack_and_masks_that_do_not():
     packed = pack_key_mask(real, TINY)
     assert packed is not None and packed.rows == b * j
     assert sum(sum(g.lengths) for g in packed.groups) == 9 + 5 + 7  # row 3 has no group
-    assert set(packed.real_rows.tolist()) == set(torch.nonzero((mask == 0).flatten()).flatten().tolist())
+    scatter = packed.scatter.tolist()
+    assert len(scatter) == b * j
+    assert {r for r in range(b * j) if scatter[r] != packed.slots} == \
+        set(torch.nonzero((mask == 0).flatten()).flatten().tolist())  # the rest take the zero row S
     # every slot reads a row of its own sequence: its real tokens in order, then the sequence's first token
     slots = packed.gather.tolist()
     for group in packed.groups:
@@ -70,9 +73,8 @@ def test_masks_that_pack_and_masks_that_do_not():
             rows = slots[first:first + group.seq]
             assert len({r // j for r in rows}) == 1 and rows[n:] == [rows[0]] * (group.seq - n)
             assert all(real.flatten()[r] for r in rows[:n]) and rows[:n] == sorted(rows[:n])
-    assert [slots[s] for s in packed.real_slots.tolist()] == packed.real_rows.tolist()
-    assert sorted(packed.pad_rows.tolist() + packed.real_rows.tolist()) == list(range(b * j))
-    assert packed.every_slot_real == (packed.slots == 9 + 5 + 7)
+    # a real row's output comes from the slot that read it
+    assert all(slots[scatter[r]] == r for r in range(b * j) if scatter[r] != packed.slots)
     assert torch.equal(real_tokens(mask.bfloat16()), real)  # bf16 rounds -10000 to -9984: still padding
     soft = torch.zeros(b, j, dtype=torch.float64)
     soft[0, 3] = -2.0  # a soft bias is not padding
@@ -221,7 +223,7 @@ def test_varlen_rejects_bad_offsets():
 
 def test_layout_of_a_packed_batch():
     packed = pack_cu_seqlens(torch.tensor([0, 4, 5, 9]), 9, TINY)
-    assert packed.real_rows.numel() == packed.rows == 9 and packed.slots >= 9
-    assert sorted(packed.real_rows.tolist()) == list(range(9))
+    assert packed.rows == 9 and packed.slots >= 9
+    assert all(packed.gather[s] == r for r, s in enumerate(packed.scatter.tolist()))  # every row real, read back
     for group in packed.groups:
         assert group.seq == max(group.lengths) and group.start + group.batch * group.seq <= packed.slots

@@ -12,7 +12,7 @@ import warnings
 from torch import nn
 
 from ..config import ConfigError, EncoderConfig
-from ..pipeline import cached_compile
+from ..pipeline import PipelineOptions, cached_compile
 from .families import NotConvertible, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
 
@@ -52,19 +52,21 @@ def _check_overrides(overrides: dict, what: str) -> None:
         raise ConfigError(f"{what}: {key}={value!r} cannot override the model's layers: {hint}; the fields "
                           f"a conversion may set are {', '.join(sorted(DROP_IN_OVERRIDES))}")
 
-def drop_in(hf_layer: nn.Module, **config_overrides) -> nn.Module:
+def drop_in(hf_layer: nn.Module, fp32_gemm: str = "mkl", **config_overrides) -> nn.Module:
     """The drop-in replacement of one Hugging Face encoder layer (what :func:`optimize` puts in its
     place): it shares ``hf_layer``'s submodules and parameters and runs Substation's compiled code.
+    ``fp32_gemm``: as :func:`optimize`.
 
     Raises:
         ValueError (:class:`~substation.interop.families.NotConvertible`): a layer Substation cannot
-            convert. ConfigError: a bad override, or one of a field the model defines (see :func:`optimize`).
-            ToolchainError, BuildError: compilation failed.
+            convert; an unknown ``fp32_gemm``. ConfigError: a bad override, or one of a field the model
+            defines (see :func:`optimize`). ToolchainError, BuildError: compilation failed.
     """
     _check_overrides(config_overrides, "drop_in()")
+    PipelineOptions(fp32_gemm=fp32_gemm)  # checked before anything compiles
     family = family_of(hf_layer)
     config = layer_config(hf_layer, family, **config_overrides)
-    return replace_with_drop_in(hf_layer, family, cached_compile(config), config_overrides)
+    return replace_with_drop_in(hf_layer, family, cached_compile(config, fp32_gemm=fp32_gemm), config_overrides)
 
 
 @dataclasses.dataclass
@@ -112,7 +114,7 @@ def _encoder_layer_candidates(model: nn.Module):
             yield name, module, family
 
 
-def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.Module:
+def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **config_overrides) -> nn.Module:
     """Replace, in place, every encoder layer of a supported Hugging Face family inside ``model`` with
     a drop-in layer running Substation's compiled code, and return ``model``.
 
@@ -130,6 +132,9 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
     Args:
         model: the model, modified in place.
         strict: raise instead of keeping layers that cannot be converted.
+        fp32_gemm: the library of float32 layers' token-wise GEMMs: ``"mkl"`` (default) or ``"onednn"``
+            (faster on AMD Zen 4; :class:`~substation.pipeline.PipelineOptions`, docs/toolchain.md);
+            float64 and bfloat16 layers ignore it.
         **config_overrides: :class:`~substation.EncoderConfig` fields applied to every layer's config:
             only those of :data:`DROP_IN_OVERRIDES` (nominal sizes, the name, the CUDA architecture,
             ``mask: none``); the rest is the model's.
@@ -139,13 +144,14 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
 
     Raises:
         ValueError: ``strict`` and some layer cannot be converted (all are listed; nothing is
-            replaced), or ``model`` is itself a layer.
+            replaced), ``model`` is itself a layer, or an unknown ``fp32_gemm``.
         ConfigError: a bad override, or one of a field the model defines. RuntimeError: ``transformers`` older than 5.0. TypeError: not an ``nn.Module``.
         ImportError: ``transformers`` is not installed. ToolchainError, BuildError: compilation failed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     _check_overrides(config_overrides, "optimize()")
+    PipelineOptions(fp32_gemm=fp32_gemm)  # checked before anything compiles
     import transformers
 
     major = int(str(transformers.__version__).split(".")[0])
@@ -173,7 +179,8 @@ def optimize(model: nn.Module, strict: bool = False, **config_overrides) -> nn.M
     converted: dict = {}    # id(layer) -> its drop-in: a layer reachable under several names is converted once
     for _, module, family, config in planned:
         if id(module) not in converted:
-            converted[id(module)] = replace_with_drop_in(module, family, cached_compile(config), config_overrides)
+            converted[id(module)] = replace_with_drop_in(module, family, cached_compile(config, fp32_gemm=fp32_gemm),
+                                                       config_overrides)
     for name, module, _, config in planned:
         new = converted[id(module)]
         parent_name, _, child = name.rpartition(".")

@@ -63,11 +63,11 @@ SCHEMA = "substation-bench/1"
 # -- cold compiles -------------------------------------------------------------------------------
 
 
-def _cold_compile(config, layout=None):
+def _cold_compile(config, layout=None, fp32_gemm: str = "mkl"):
     """(CompiledLayer, pipeline seconds) with an empty, temporary build cache."""
     with tempfile.TemporaryDirectory(prefix="substation-bench-cache-") as tmp, env_var("SUBSTATION_CACHE_DIR", tmp):
         t0 = time.perf_counter()
-        compiled = compile_layer(config, layout=layout)
+        compiled = compile_layer(config, layout=layout, fp32_gemm=fp32_gemm)
         seconds = time.perf_counter() - t0
     return compiled, seconds  # the libraries stay loaded after their files are removed
 
@@ -92,7 +92,7 @@ def _apply_overrides(config, batch_size: int | None, seq_len: int | None, dtype:
 def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None = None,
               seq_len: int | None = None, include_compile: bool = True, compile_backend: str = "inductor",
               hf_attn: str = "sdpa", seed: int = 0, layout=None, mode: str = "train", dtype: str | None = None,
-              progress: Callable[[str], None] | None = None) -> dict:
+              fp32_gemm: str = "mkl", progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark the compiled layer against PyTorch eager and ``torch.compile`` (see the module docstring).
 
     Args:
@@ -114,6 +114,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
             the others their eval forward; nothing is held for backward).
         dtype: override the config's dtype; ``bfloat16``: everything under CPU bf16 autocast (see the
             module docstring).
+        fp32_gemm: the library of a float32 build's token-wise GEMMs (``compile_layer(fp32_gemm=...)``);
+            the limit's GEMM rate is that library's.
         progress: called with a short message before each phase.
 
     Returns:
@@ -123,7 +125,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         ``torch.compile``.
 
     Raises:
-        ValueError: ``repeats`` < 1 or ``warmup`` < 0, an unknown mode, ``layout`` with mode ``eval``.
+        ValueError: ``repeats`` < 1 or ``warmup`` < 0, an unknown mode or ``fp32_gemm``, ``layout`` with mode
+            ``eval``.
         ConfigError, FileNotFoundError: a bad config or override.
         ToolchainError, BuildError: Substation's compilation failed (PlanError: a layout plan that
             does not fit).
@@ -146,7 +149,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     torch.set_num_threads(threads)
 
     say(f"compiling {config.name} with Substation (cold build cache)")
-    compiled, sub_compile = _cold_compile(config, layout)
+    compiled, sub_compile = _cold_compile(config, layout, fp32_gemm)
     torch.manual_seed(seed)
     layer = EncoderLayer(compiled)
     if autocast:
@@ -226,12 +229,13 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     timed = "forward_backward" if train else "forward"
     sub = med["substation"][timed]
     say("limit: BLAS GEMM rate, FMA peak and copy bandwidth")
-    limit = time_limit(config, {n: med[n][timed] for n in med}, mode=mode)
+    limit = time_limit(config, {n: med[n][timed] for n in med}, mode=mode, fp32_gemm=fp32_gemm)
     result = {
         "schema": SCHEMA,
         "config": config.to_dict(),
         "batch_size": b, "seq_len": j, "dtype": config.dtype,
         "layout": None if layout is None else str(layout),
+        "fp32_gemm": fp32_gemm if config.dtype == "float32" else None,
         "mode": mode,
         "dropout": dataclasses.asdict(config.dropout),
         "mask": (None if mask is None else
@@ -249,10 +253,11 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     return result
 
 
-def time_limit(config, measured_seconds: dict | None = None, mode: str = "train") -> dict:
+def time_limit(config, measured_seconds: dict | None = None, mode: str = "train", fp32_gemm: str = "mkl") -> dict:
     """The analysis' lower bound on one forward+backward step of ``config`` (``mode="eval"``: one
-    forward pass of the inference build), from rates measured now: contraction flop at the BLAS's GEMM
-    rate plus the SN/EW kernels' required bytes at the copy bandwidth.
+    forward pass of the inference build), from rates measured now: contraction flop at the GEMM rate of
+    the library the build calls (float32: ``fp32_gemm``'s) plus the SN/EW kernels' required bytes at the
+    copy bandwidth.
 
     ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
     graphs' counts (:func:`substation.perf.analysis.analyze`), :func:`~substation.perf.probes.gemm_rate` (the
@@ -284,7 +289,8 @@ def time_limit(config, measured_seconds: dict | None = None, mode: str = "train"
     shapes = ((2048, 2048, 2048), (tokens, ffn, hidden), (tokens, hidden, ffn))  # square; linear1, linear2
     calls = 5
     # bf16 builds: the FMA peak of their float32 arithmetic (no AMX peak probe)
-    rate, peak = gemm_rate(config.dtype, shapes, repeats=calls), fma_peak(_ARITHMETIC.get(config.dtype, config.dtype))
+    rate = gemm_rate(config.dtype, shapes, repeats=calls, fp32_gemm=fp32_gemm)
+    peak = fma_peak(_ARITHMETIC.get(config.dtype, config.dtype))
     bw, buffer_bytes = copy_bandwidth()
     limit = flop / rate + nbytes / bw
     per = {name: {"seconds": secs, "fraction_of_limit": limit / secs, "speedup_at_limit": secs / limit}
@@ -308,7 +314,8 @@ def _load():
 
 # -- per-kernel table ----------------------------------------------------------------------------
 def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | None = None,
-                 seq_len: int | None = None, copy_bytes: int | None = None, layout=None) -> dict:
+                 seq_len: int | None = None, copy_bytes: int | None = None, layout=None,
+                 fp32_gemm: str = "mkl") -> dict:
     """Time every memory-bound (SN/EW, fused or not) kernel of the compiled layer and relate its bytes
     to the machine's copy bandwidth.
 
@@ -317,7 +324,7 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
     STREAM-like copy in the same run (:func:`substation.perf.analysis.measure`, which uses
     :func:`substation.perf.probes.copy_bandwidth`); bytes per kernel are
     :func:`substation.perf.analysis.operator_count`'s (every connector's elements x itemsize). ``layout``
-    is passed to ``compile_layer`` as in :func:`run_bench`; ``copy_bytes`` sizes the copy buffers (bytes).
+    and ``fp32_gemm`` are passed to ``compile_layer`` as in :func:`run_bench`; ``copy_bytes`` sizes the copy buffers (bytes).
 
     Returns:
         Plain data: ``kernels`` (rows with ``pass``, ``name``, ``class``, ``kind``, ``members``,
@@ -336,7 +343,7 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
     config = _apply_overrides(config, batch_size, seq_len)
     machine = machine_info()
     torch.set_num_threads(machine["threads"])
-    compiled = compile_layer(config, instrument=True, layout=layout)
+    compiled = compile_layer(config, instrument=True, layout=layout, fp32_gemm=fp32_gemm)
     set_substation_threads(compiled, machine["threads"])
     m = measure(config, repeats=repeats, warmup=warmup, compiled=compiled, copy_bytes=copy_bytes)
     sizes = config.sizes()
@@ -360,7 +367,8 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
                          "bandwidth": nbytes / secs if secs else None,
                          "fraction_of_copy": nbytes / secs / m.copy_bandwidth if secs else None,
                          "pass_seconds": m.pass_seconds.get(phase)}
-    return {"schema": SCHEMA, "config": config.to_dict(), "batch_size": config.batch_size,
+    return {"schema": SCHEMA, "config": config.to_dict(), "fp32_gemm": fp32_gemm if config.dtype == "float32" else None,
+            "batch_size": config.batch_size,
             "seq_len": config.max_seq_len, "dtype": config.dtype,
             "layout": None if layout is None else str(layout), "mode": "train", "threads": machine["threads"],
             "machine": machine, "repeats": repeats, "warmup": warmup,

@@ -46,6 +46,7 @@ __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "
            "train_step", "peak_step_bytes", "compiled_layers", "run_bench_model", "format_bench_model",
            "plot_bench_model"]
 from ..interop import optimize
+from ..pipeline import PipelineOptions
 from ..runtime import CompiledLayer
 
 #: The bundled model names of ``--model``.
@@ -299,7 +300,8 @@ def compiled_layers(model) -> tuple[int, dict]:
 
 
 def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, warmup: int,
-                include_compile: bool, backend: str, seed: int, threads: int, say: Callable[[str], None]) -> dict:
+                include_compile: bool, backend: str, seed: int, threads: int, fp32_gemm: str,
+                say: Callable[[str], None]) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
@@ -311,7 +313,7 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
     say(f"{head}: substation.optimize (a deep copy of the plain model)")
     optimized = copy.deepcopy(plain)
     t0 = time.perf_counter()
-    optimize(optimized)
+    optimize(optimized, fp32_gemm=fp32_gemm)
     optimize_seconds = time.perf_counter() - t0
     replaced, builds = compiled_layers(optimized)
     sub_threads = [set_substation_threads(c, threads) for c in builds.values()]
@@ -391,7 +393,7 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
 
 def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", batch: int = 8, seq_len: int = 128,
                     rounds: int = 10, warmup: int = 1, include_compile: bool = True,
-                    compile_backend: str = "inductor", seed: int = 0,
+                    compile_backend: str = "inductor", seed: int = 0, fp32_gemm: str = "mkl",
                     progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark a whole training step with and without :func:`substation.optimize` (see the module docstring).
 
@@ -405,6 +407,7 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
         include_compile: also the two ``torch.compile`` variants.
         compile_backend: ``torch.compile`` backend (``"eager"`` is for quick tests; recorded).
         seed: seeds the parameters that are not loaded, the batch and the labels.
+        fp32_gemm: the library of the float32 layers' token-wise GEMMs (:func:`substation.optimize`).
         progress: called with a short message before each phase.
 
     Returns:
@@ -416,8 +419,8 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
         plain_compile / optimized_compile (None where a variant did not run).
 
     Raises:
-        ValueError: rounds < 1, warmup < 0, an unknown head, a bad batch or sequence length, a bad
-            model (:func:`model_spec`), or a layer :func:`substation.optimize` cannot convert.
+        ValueError: rounds < 1, warmup < 0, an unknown head or ``fp32_gemm``, a bad batch or sequence
+            length, a bad model (:func:`model_spec`), or a layer :func:`substation.optimize` cannot convert.
         FileNotFoundError, ImportError: from :func:`model_spec`.
         ToolchainError, BuildError: Substation's compilation failed.
     """
@@ -429,6 +432,7 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
         raise ValueError(f"unknown head {head!r}: use mlm, cls or both")
     spec = model if isinstance(model, ModelSpec) else model_spec(model)
     make_batch(spec.config, HEADS[0], batch, seq_len)  # validates B and J before anything is built
+    PipelineOptions(fp32_gemm=fp32_gemm)
     say = progress or (lambda msg: None)
     machine = machine_info()
     threads = machine["threads"]
@@ -436,7 +440,7 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
     heads = {}
     for h in (HEADS if head == "both" else (head,)):
         heads[h] = _bench_head(spec, h, batch, seq_len, rounds, warmup, include_compile, compile_backend, seed,
-                               threads, say)
+                               threads, fp32_gemm, say)
         if include_compile:
             torch._dynamo.reset()  # its caches keep the compiled models (and their memory) alive
         gc.collect()
@@ -447,7 +451,7 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
                   "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
                   "num_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
                   "vocab_size": c.vocab_size, "hidden_act": c.hidden_act, "attn_implementation": "sdpa"},
-        "batch_size": batch, "seq_len": seq_len, "mode": "train",
+        "batch_size": batch, "seq_len": seq_len, "mode": "train", "fp32_gemm": fp32_gemm,
         "dropout": {"attention": c.attention_probs_dropout_prob, "hidden": c.hidden_dropout_prob},
         "mask": f"attention_mask [B, J]: rows {batch // 2}..{batch - 1} padded from position {(3 * seq_len) // 4} on",
         "optimizer": {"name": "AdamW", "lr": LEARNING_RATE,
@@ -486,7 +490,8 @@ def format_bench_model(r: dict) -> str:
     lines = [f"{m['name']}: {m['num_layers']} layers, I={m['hidden_size']} H={m['num_heads']} "
              f"U={m['intermediate_size']} vocab {m['vocab_size']} {m['hidden_act']}; {m['source']}",
              f"B={r['batch_size']} L={r['seq_len']}, train mode, dropout {r['dropout']['attention']}/"
-             f"{r['dropout']['hidden']}, {r['mask']}; AdamW lr {r['optimizer']['lr']}",
+             f"{r['dropout']['hidden']}, {r['mask']}; AdamW lr {r['optimizer']['lr']}; "
+             f"float32 GEMMs: {r.get('fp32_gemm', 'mkl')}",
              f"machine: {mc['cpu']}, {mc['cores']} logical CPUs; threads: {r['threads']} (all variants)"
              + (f"; load average {load[0]:.2f}" if load else "")]
     for head, h in r["heads"].items():

@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 
 from ..interop import optimize
+from ..pipeline import PipelineOptions
 from .baselines import padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
 from .probes import machine_info
@@ -297,7 +298,8 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
 
 def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, rounds: int = 5, warmup: int = 1,
                          include_compile: bool = True, include_ort: bool = True, compile_backend: str = "inductor",
-                         seed: int = 0, dtype: str = "float32", progress: Callable[[str], None] | None = None) -> dict:
+                         seed: int = 0, dtype: str = "float32", fp32_gemm: str = "mkl",
+                         progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark whole-model inference with and without :func:`substation.optimize` (see the module docstring).
 
     Args:
@@ -312,6 +314,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         include_ort: also ``ort`` when ONNX Runtime is installed (else recorded as skipped, with the reason).
         seed: chooses the words of the sentences.
         dtype: ``float32``, or ``bfloat16``: every call under bf16 autocast (ONNX Runtime left out).
+        fp32_gemm: the library of the float32 layers' token-wise GEMMs (:func:`substation.optimize`).
         progress: called with a short message before each phase.
 
     Returns:
@@ -322,8 +325,8 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         (another implementation's median seconds / Substation's; None where one did not run).
 
     Raises:
-        ValueError: rounds < 1, warmup < 0, no shapes, a bad shape, a dtype not in :data:`DTYPES`, or a
-            model folder without a sentence-transformers model.
+        ValueError: rounds < 1, warmup < 0, no shapes, a bad shape, a dtype not in :data:`DTYPES`, an
+            unknown ``fp32_gemm``, or a model folder without a sentence-transformers model.
         FileNotFoundError, ImportError: from ``model_spec`` (or no ``sentence-transformers``).
         ToolchainError, BuildError: Substation's compilation failed.
     """
@@ -331,6 +334,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         raise ValueError(f"need rounds >= 1 and warmup >= 0, got {rounds} and {warmup}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    PipelineOptions(fp32_gemm=fp32_gemm)
     shapes = tuple(tuple(s) for s in shapes)
     if not shapes:
         raise ValueError("need at least one (batch, seq_len) shape")
@@ -369,7 +373,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         del models["hf_compile"]
     say("substation.optimize and the inference builds")
     t0 = time.perf_counter()
-    optimize(models["substation"])
+    optimize(models["substation"], fp32_gemm=fp32_gemm)
     optimize_seconds = time.perf_counter() - t0
     replaced, builds = compiled_layers(models["substation"])
     if dtype == "bfloat16":
@@ -385,7 +389,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         torch._dynamo.reset()  # its caches keep the compiled model alive
     c = spec.config
     return {
-        "schema": SCHEMA, "mode": "eval", "dtype": dtype,
+        "schema": SCHEMA, "mode": "eval", "dtype": dtype, "fp32_gemm": fp32_gemm if dtype == "float32" else None,
         "precision": ("torch.autocast('cpu', dtype=torch.bfloat16) around float32 weights" if dtype == "bfloat16"
                       else "float32"),
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,
@@ -423,8 +427,10 @@ def format_bench_model_eval(r: dict) -> str:
     load = mc.get("load_average")
     lines = [f"{m['name']}: {m['num_layers']} layers, I={m['hidden_size']} H={m['num_heads']} "
              f"U={m['intermediate_size']}; {m['source']}",
-             f"eval mode, torch.inference_mode, {r['precision']}; machine: {mc['cpu']}, {mc['cores']} logical CPUs; "
-             f"threads: {r['threads']}" + (f"; load average {load[0]:.2f}" if load else ""),
+             f"eval mode, torch.inference_mode, {r['precision']}"
+             + (f" ({r['fp32_gemm']} GEMMs)" if r.get("fp32_gemm") else "")
+             + f"; machine: {mc['cpu']}, {mc['cores']} logical CPUs; threads: {r['threads']}"
+             + (f"; load average {load[0]:.2f}" if load else ""),
              "ONNX Runtime: " + (f"skipped ({r['ort']['skipped']})" if r["ort"]["skipped"] else
                                  f"{r['ort']['onnxruntime']}, fused {r['ort']['fused_operators']}")]
     for key, s in r["shapes"].items():

@@ -18,7 +18,8 @@ def _header(r: dict) -> list[str]:
     load = m.get("load_average")
     isa = " ".join(m.get("isa") or []) or "flags unknown"
     return [f"{c['name']}: B={r['batch_size']} L={r['seq_len']} I={c['hidden_size']} H={c['num_heads']} "
-            f"U={c['ffn_size']} {c['activation']} {c['layer_norm']}-LN {c['dtype']} mask={c['mask']}, "
+            f"U={c['ffn_size']} {c['activation']} {c['layer_norm']}-LN {c['dtype']}"
+            + (f" ({r['fp32_gemm']} GEMMs)" if r.get("fp32_gemm") else "") + f" mask={c['mask']}, "
             + (f"train mode, dropout {c['dropout']['attention']}/{c['dropout']['hidden']}/{c['dropout']['activation']}"
              if r.get("mode", "train") == "train" else "eval mode, torch.inference_mode (Substation: inference build)"),
             f"machine: {m['cpu']} ({isa}), {m['cores']} logical CPUs; threads: {r['threads']} "

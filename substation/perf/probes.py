@@ -12,6 +12,7 @@ import statistics
 import time
 
 from ..backends.cpu.build import build_library
+from ..backends.cpu.codegen import FP32_GEMM_LIBRARIES
 from ..resources import csrc_file
 
 __all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "machine_info"]
@@ -96,14 +97,15 @@ def _probe_library():
 
 
 @functools.lru_cache(maxsize=None)
-def _bf16_probe_library():
-    """The bf16 matmul probe (``csrc/substation_probe_bf16.cpp``, linked with oneDNN), built through the cache."""
+def _onednn_probe_library():
+    """The oneDNN matmul probes (``csrc/substation_probe_onednn.cpp``: bf16 and float32), built through the cache."""
     import ctypes
 
-    with open(csrc_file("substation_probe_bf16.cpp")) as f:
-        lib = ctypes.CDLL(build_library(f.read(), "probe-bf16", with_onednn=True).path)
-    lib.substation_probe_matmul_bf16_seconds.restype = ctypes.c_double
-    lib.substation_probe_matmul_bf16_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
+    with open(csrc_file("substation_probe_onednn.cpp")) as f:
+        lib = ctypes.CDLL(build_library(f.read(), "probe-onednn", with_onednn=True).path)
+    for name in ("substation_probe_matmul_bf16_seconds", "substation_probe_matmul_f32_seconds"):
+        getattr(lib, name).restype = ctypes.c_double
+        getattr(lib, name).argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
     return lib
 
 
@@ -113,27 +115,32 @@ def _probe_dtype(dtype: str, allowed=("float32", "float64")) -> int:
     return int(dtype == "float64")
 
 
-def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5) -> float:
+def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5, fp32_gemm: str = "mkl") -> float:
     """The GEMM rate in flop/s of the library the generated code calls: the best over ``shapes``
     (``(m, n, k)`` tuples) of 2 m n k / seconds of the fastest of ``repeats`` row-major
     ``C[m, n] = A[m, k] B[k, n]`` calls, on the generated code's OpenMP threads; one untimed call per
-    shape comes first. ``float32``: MKL's ``cblas_sgemm`` (the default library of float32 builds);
-    ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16 in and out: ``ss::matmul``).
+    shape comes first. ``float32``: MKL's ``cblas_sgemm`` (``fp32_gemm="mkl"``, the default library of
+    float32 builds) or oneDNN's float32 matmul as builds call it (``"onednn"``: ``ss::matmul<float>``,
+    k summed in chunks of 512); ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16
+    in and out: ``ss::matmul``).
 
     Raises:
-        ValueError: another dtype, no shapes, a size < 1 or ``repeats`` < 1.
+        ValueError: another dtype or ``fp32_gemm``, no shapes, a size < 1 or ``repeats`` < 1.
         ToolchainError, BuildError: the probe library cannot be built.
-        RuntimeError: oneDNN refused a bf16 call.
+        RuntimeError: oneDNN refused a call.
     """
     use_double = _probe_dtype(dtype, ("float32", "float64", "bfloat16"))
+    if fp32_gemm not in FP32_GEMM_LIBRARIES:
+        raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
     shapes = [tuple(int(v) for v in s) for s in shapes]
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
         raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
-    if dtype == "bfloat16":
-        lib = _bf16_probe_library()
-        seconds = [lib.substation_probe_matmul_bf16_seconds(m, n, k, repeats) for m, n, k in shapes]
+    if dtype == "bfloat16" or (dtype == "float32" and fp32_gemm == "onednn"):
+        probe = getattr(_onednn_probe_library(), f"substation_probe_matmul_{'bf16' if dtype == 'bfloat16' else 'f32'}"
+                                                 "_seconds")
+        seconds = [probe(m, n, k, repeats) for m, n, k in shapes]
         if min(seconds) < 0:
-            raise RuntimeError(f"oneDNN refused a bf16 matmul of the shapes {shapes}")
+            raise RuntimeError(f"oneDNN refused a {dtype} matmul of the shapes {shapes}")
     else:
         lib = _probe_library()
         seconds = [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]

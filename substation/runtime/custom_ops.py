@@ -508,6 +508,4 @@ def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_se
         xg = x.index_select(0, rows).view(g.batch, g.seq, -1)
         mask = g.key_mask(_mask_dtype(compiled)).to(x.device) if g.padded else None
         outputs.append(run_layer(compiled, xg, params, training, attention_mask=mask).flatten(0, 1))
-    slot_of_row = torch.empty(packed.rows, dtype=torch.int64)
-    slot_of_row[packed.real_rows] = packed.real_slots
-    return torch.cat(outputs).index_select(0, slot_of_row.to(x.device))
+    return torch.cat(outputs).index_select(0, packed.scatter.to(x.device))  # every row is a real token

@@ -126,26 +126,19 @@ class PackedBatch:
         groups: the calls, in slot order.
         gather: int64 [S], the source row of every slot (a padding slot reads its sequence's first
             token; its key is masked and its output dropped).
-        real_slots, real_rows: int64 [T], the slots holding real tokens and their source rows.
-        pad_rows: int64 [R - T], the source rows that are no real token (their output is zeros).
+        scatter: int64 [R], the slot whose output each source row gets; S for a row that is no real
+            token (the outputs carry one zero row after the S slots: its output is zeros).
     """
 
     rows: int
     groups: tuple[SequenceGroup, ...]
     gather: torch.Tensor
-    real_slots: torch.Tensor
-    real_rows: torch.Tensor
-    pad_rows: torch.Tensor
+    scatter: torch.Tensor
 
     @property
     def slots(self) -> int:
         """S, tokens computed (real and padding)."""
         return int(self.gather.numel())
-
-    @property
-    def every_slot_real(self) -> bool:
-        """Whether no group pads a sequence (then ``real_slots`` is ``0 .. S-1``)."""
-        return self.real_slots.numel() == self.gather.numel()
 
 
 def _live_groups(lengths: list[int], config: EncoderConfig, exact: bool) -> list[list[int]]:
@@ -158,7 +151,7 @@ def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[in
     """The :class:`PackedBatch` of sequences given by their source rows (int64 tensors, in order) run
     as ``groups`` (sequence indices, from :func:`_live_groups`); a few tensor operations per group."""
     lengths = [int(s.numel()) for s in sequences]
-    gather, real_slots, real_rows, records = [], [], [], []
+    gather, real_slots, real_rows, records = [], [], [], []  # per group
     start = 0
     for members in groups:
         seq = max(lengths[b] for b in members)
@@ -175,10 +168,9 @@ def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[in
         start += len(members) * seq
     empty = torch.zeros(0, dtype=torch.int64)
     cat = (lambda ts: torch.cat(ts) if ts else empty)
-    is_real = torch.zeros(rows, dtype=torch.bool)
-    is_real[cat(real_rows)] = True
-    return PackedBatch(rows, tuple(records), cat(gather), cat(real_slots), cat(real_rows),
-                       torch.nonzero(~is_real).flatten())
+    scatter = torch.full((rows,), start, dtype=torch.int64)  # start = S: the zero row
+    scatter[cat(real_rows)] = cat(real_slots)
+    return PackedBatch(rows, tuple(records), cat(gather), scatter)
 
 
 def real_tokens(mask: torch.Tensor) -> torch.Tensor | None:
@@ -275,7 +267,8 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
     """
     hidden = x_rows.shape[1]
     xs = x_rows.index_select(0, packed.gather)
-    ys = torch.empty(xs.shape, dtype=graph.dtypes["Y"])
+    ys = torch.empty(packed.slots + 1, hidden, dtype=graph.dtypes["Y"])
+    ys[packed.slots].zero_()  # the output of the rows that are no real token
     has_mask = "mask" in graph.dtypes
     for g in packed.groups:
         part = slice(g.start, g.start + g.batch * g.seq)
@@ -284,6 +277,4 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
             dtype = graph.dtypes["mask"]
             tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
         graph.run_into(tensors, g.batch, g.seq)
-    out = torch.empty(packed.rows, hidden, dtype=ys.dtype)
-    out.index_copy_(0, packed.real_rows, ys if packed.every_slot_real else ys.index_select(0, packed.real_slots))
-    return out.index_fill_(0, packed.pad_rows, 0)
+    return ys.index_select(0, packed.scatter)  # one pass: real rows from their slots, the rest zeros
