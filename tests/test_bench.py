@@ -13,7 +13,7 @@ from substation.cli import main
 from substation.config import load_config
 
 PASSES = ("forward", "backward", "forward_backward")
-TOP_KEYS = {"schema", "config", "batch_size", "seq_len", "dtype", "layout", "mode", "dropout", "mask", "threads",
+TOP_KEYS = {"schema", "config", "batch_size", "seq_len", "dtype", "layout", "fp32_gemm", "mode", "dropout", "mask", "threads",
             "machine", "repeats", "warmup", "implementations", "median_seconds", "speedup_vs_eager",
             "speedup_vs_compile", "max_rel_error_vs_eager", "limit"}
 LIMIT_KEYS = {"contraction_flop", "memory_bound_bytes", "gemm_rate", "gemm_probe", "fma_peak", "copy_bandwidth",

@@ -9,7 +9,7 @@ from substation.perf import bench_model
 from substation.cli import main
 
 B, L, ROUNDS = 2, 16, 2
-TOP_KEYS = {"schema", "model", "batch_size", "seq_len", "mode", "dropout", "mask", "optimizer", "threads", "machine",
+TOP_KEYS = {"schema", "model", "batch_size", "seq_len", "mode", "fp32_gemm", "dropout", "mask", "optimizer", "threads", "machine",
             "rounds", "warmup", "compile_backend", "memory_method", "heads"}
 HEAD_KEYS = {"model_class", "parameters", "parameters_optimized", "initialised_parameters", "replaced_layers",
              "optimize_seconds", "substation_build_seconds", "substation_threads", "check", "variants",
