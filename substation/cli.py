@@ -161,6 +161,7 @@ def cmd_compile(args) -> int:
         "operators_by_class": {g.phase: {c: sum(o.op_class == c for o in g.operators()) for c in ("TC", "SN", "EW")}
                                for g in (fwd, bwd)},
         "saved_for_backward": [t.name for t in fwd.tensors.values() if t.role == "saved"],
+        "fp32_gemm": args.fp32_gemm if config.dtype == "float32" else None,
         "build_seconds": compiled.build_seconds,
         "pipeline_seconds": total,
         "max_rel_error_vs_pytorch": err,
@@ -172,7 +173,8 @@ def cmd_compile(args) -> int:
     publish_dir(lambda tmp: _write_build(tmp, compiled, report, ".cpp"), out)
     c = config
     print(f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
-          f"U={c.ffn_size} {c.activation} {c.layer_norm}-LN {c.dtype} mask={c.mask}")
+          f"U={c.ffn_size} {c.activation} {c.layer_norm}-LN {c.dtype}"
+          + (f" ({args.fp32_gemm} GEMMs)" if c.dtype == "float32" else "") + f" mask={c.mask}")
     print(f"operators: forward {report['operators']['forward']} {report['operators_by_class']['forward']}, "
           f"backward {report['operators']['backward']} {report['operators_by_class']['backward']}")
     print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")

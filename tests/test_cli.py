@@ -21,7 +21,7 @@ def test_compile_writes_everything(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["operators"] == {"forward": 11, "backward": 18}  # 6 + 5 and 12 + 6 kernels
     assert report["operators_by_class"]["forward"] == {"TC": 6, "SN": 3, "EW": 2}
-    assert report["max_rel_error_vs_pytorch"] < 1e-10
+    assert report["max_rel_error_vs_pytorch"] < 1e-10 and report["fp32_gemm"] is None  # float64
     assert report["speedup_vs_eager"] > 0 and len(report["forward_backward_seconds_median"]) == 2
     text = capsys.readouterr().out
     assert "max relative error" in text and "speedup" in text
@@ -29,6 +29,18 @@ def test_compile_writes_everything(tmp_path, capsys):
     assert main(["compile", "tiny", "--out", str(out), "--repeats", "1", "--no-fuse"]) == 0
     assert json.loads((out / "report.json").read_text())["operators"] == {"forward": 20, "backward": 27}
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def test_compile_with_onednn_float32_gemms(tmp_path, capsys):
+    """--fp32-gemm onednn: the generated code calls oneDNN's float32 matmul, the report records it."""
+    path = tmp_path / "tiny-f32.yaml"
+    path.write_text(yaml.safe_dump({**load_config("tiny").to_dict(), "dtype": "float32", "name": "tiny-f32"}))
+    out = tmp_path / "out"
+    assert main(["compile", str(path), "--out", str(out), "--repeats", "1", "--fp32-gemm", "onednn"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["fp32_gemm"] == "onednn" and report["max_rel_error_vs_pytorch"] < CHECK_TOLERANCE["float32"]
+    assert (out / "forward.cpp").read_text().count("ss::matmul<float>(") == 4  # the token-wise GEMMs
+    assert "float32 (onednn GEMMs)" in capsys.readouterr().out
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="bfloat16 CPU builds need AVX512-BF16")

@@ -307,6 +307,12 @@ def test_optimize_with_onednn_float32_gemms():
     assert torch.equal(out, out_copy)
     single = from_hf(hf_layer(torch.float32), fp32_gemm="onednn")
     assert single.compiled.options["fp32_gemm"] == "onednn"
+    with pytest.raises(ValueError, match="fp32_gemm .* must be one of mkl, onednn, got \\['mkl'\\]"):
+        from_hf(hf_layer(torch.float32), fp32_gemm=["mkl"])
+    # optimizing again keeps the builds, and says so when another library is asked for
+    with pytest.warns(UserWarning, match="keep their builds \\(fp32_gemm='onednn'\\)"):
+        optimize(model, fp32_gemm="mkl")
+    assert all(m.substation_compiled.options["fp32_gemm"] == "onednn" for m in layers)
 
 
 def test_output_attentions_runs_the_hugging_face_forward():
@@ -383,6 +389,15 @@ def test_per_head_masks_run_compiled_when_the_heads_agree():
     assert rel(y, ref(x, differ)) <= 1e-12
     with pytest.raises(ValueError, match=rf"\[B, H, J, K\] with H = {heads}; got \(2, {heads}, {J}, {J + 1}\)"):
         ours(x, torch.zeros(2, heads, J, J + 1, dtype=torch.float64))
+    wrong = torch.zeros(2, heads + 1, J, J, dtype=torch.float64)
+    wrong[0, 1, :, 0] = -1.0  # heads differ too: the shape is named first, nothing reaches Hugging Face's forward
+    with pytest.raises(ValueError, match=rf"got \(2, {heads + 1}, {J}, {J}\)"):
+        ours(x, wrong)
+    # under torch.compile the layer cannot fall back: equal heads run compiled, differing heads are refused
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    assert rel(compiled(x, same), ref(x, same)) <= 1e-12
+    with pytest.raises(Exception, match="differs between heads"):
+        compiled(x, differ)
 
 
 def test_a_nan_in_a_per_query_mask_is_refused_not_run_by_hugging_face():

@@ -134,7 +134,7 @@ BAD_CALLS = [
     (lambda l, x: l(x, key_padding_mask=torch.zeros(2, 7)), TypeError, "key_padding_mask must be a bool tensor"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7), key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "not both"),
     (lambda l, x: l(x, attention_mask=torch.randn(2, 1, 7, 7, dtype=torch.float64)), ValueError, "differs between queries"),
-    (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, r"attention_mask must have shape \[B, K\] = \[2, 7\], \[B, 1, 1, K\] or \[B, 1, J, K\]"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, r"attention_mask must have shape \[B, K\] = \[2, 7\], \[B, 1, 1, K\], \[B, 1, J, K\] or \[B, H, J, K\] with H = \d+; got \(2, 2, 1, 7\)"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, "unsupported attention_mask dtype torch.complex64"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7).index_fill_(1, torch.tensor([3]), float("nan"))), ValueError, "holds NaN or"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 1, 1, 7).index_fill_(3, torch.tensor([6]), float("inf"))), ValueError, r"holds NaN or \+inf"),

@@ -159,13 +159,16 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
         raise RuntimeError(f"optimize() needs transformers >= 5 (layers return tensors and models pass 4-D masks "
                            f"from 5.0 on); found {transformers.__version__}")
     summary = OptimizeSummary()
-    planned, already = [], 0
+    planned, already, other_gemm = [], 0, set()
     for name, module, family in _encoder_layer_candidates(model):
         if name == "":
             raise ValueError("optimize() replaces the layers inside a model; for a single layer use "
                              "substation.EncoderLayer.from_hf(layer)")
         if isinstance(module, SubstationLayer):
             already += 1
+            if module.substation_compiled.config.dtype == "float32" \
+                    and module.substation_compiled.options["fp32_gemm"] != fp32_gemm:
+                other_gemm.add(module.substation_compiled.options["fp32_gemm"])
             continue
         try:
             if family is None:
@@ -190,6 +193,10 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
         if config not in summary.configs:
             summary.configs.append(config)
     summary.already = already
+    if other_gemm:
+        warnings.warn(f"optimize(fp32_gemm={fp32_gemm!r}): layers that were Substation layers already keep their "
+                      f"builds (fp32_gemm={', '.join(map(repr, sorted(other_gemm)))}); convert an unoptimized "
+                      f"model to choose another library", stacklevel=2)
     if not planned and not already:
         what = (f"{len(summary.kept)} layer(s) cannot be converted (see model.substation_summary)" if summary.kept
                 else f"no layer of a supported family inside {type(model).__name__}")

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from ..runtime import CompiledLayer, run_layer
-from ..runtime.custom_ops import check_mask_values, heads_differ, queries_differ
+from ..runtime.custom_ops import check_mask, check_mask_values, heads_differ, queries_differ
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -131,6 +131,7 @@ class SubstationLayer:
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and not torch.compiler.is_compiling():
+            # under torch.compile the operator checks the data and refuses such a mask (no graph break)
             for differs, what in ((heads_differ, "heads"), (queries_differ, "queries")):
                 if differs(attention_mask):
                     check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
@@ -145,6 +146,11 @@ class SubstationLayer:
             TypeError, ValueError: from :func:`substation.runtime.run_layer` (dtype, device, shape,
                 weights still on the meta device).
         """
+        if isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor) \
+                and hidden_states.dim() == 3 and self.substation_compiled.config.mask != "none":
+            # a bad mask is named here, not handed to Hugging Face's forward
+            check_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device,
+                       self.substation_compiled.config, "attention_mask")
         reason = self._substation_fallback(attention_mask, kwargs)
         if reason is not None:
             key = (type(self).__name__, reason)
@@ -154,27 +160,11 @@ class SubstationLayer:
                               stacklevel=2)
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \
-                and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3 \
                 and not torch.compiler.is_compiling():
-            attention_mask = self._substation_key_rows(attention_mask, hidden_states)
+            attention_mask = attention_mask[:, :1, :1, :]  # heads and rows were found equal: not checked again
         seen = None if torch.compiler.is_compiling() else self.__dict__.get("_substation_seen")
         params = self.substation_family.tensors(self, seen[2] if seen else None)
         return run_layer(self.substation_compiled, hidden_states, params, self.training, attention_mask=attention_mask)
-
-    def _substation_key_rows(self, mask: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``mask[:, :1, :1, :]`` of a [B, H, J, K] mask whose heads and rows were found equal (the
-        operator need not look again).
-
-        Raises:
-            ValueError: a shape other than [B or 1, H or 1, J or 1, K] (named as given).
-        """
-        b, j = hidden_states.shape[:2]
-        heads = self.substation_compiled.config.num_heads
-        shape = tuple(mask.shape)
-        if not (shape[0] in (1, b) and shape[1] in (1, heads) and shape[2] in (1, j) and shape[3] == j):
-            raise ValueError(f"attention_mask must have shape [B, K] = [{b}, {j}], [B, 1, 1, K], [B, 1, J, K] or "
-                             f"[B, H, J, K] with H = {heads}; got {shape}")
-        return mask[:, :1, :1, :]
 
     def _apply(self, fn, recurse=True):
         weight = next(self.parameters(), None)

@@ -61,21 +61,24 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     A bool or integer mask marks keys to attend (``attend_marks_true``, Hugging Face) or padding
     (PyTorch's ``key_padding_mask``); a float mask is additive, its finite values clamped to the range
     of ``dtype`` (float32's minimum, Hugging Face's mask value, stays finite in bfloat16, so a row
-    masked with it everywhere still attends uniformly, as in PyTorch). A 4-D ``[B, 1, J, K]`` mask must be
-    the same for every query j; it is reduced to its first row (checked here, on the data: this runs
-    inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
+    masked with it everywhere still attends uniformly, as in PyTorch). A 4-D ``[B, H, J, K]`` mask must be
+    the same for every head h and query j; it is reduced to its first row (checked here, on the data:
+    this runs inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
 
     Raises:
-        ValueError: a ``[B, 1, J, K]`` mask whose rows differ between queries; a float mask holding NaN
-        or +inf (every score it touches would be NaN).
+        ValueError: a ``[B, H, J, K]`` mask that differs between heads or queries; a float mask holding
+        NaN or +inf (every score it touches would be NaN).
     """
     if mask is None:
         return None
     check_mask_values(mask)
     if mask.dim() == 4:
-        if queries_differ(mask):
-            raise ValueError("attention_mask [B, 1, J, K] differs between queries; only key masks "
-                             "(and mask: causal in the config) are supported")
+        for differs, what in ((heads_differ, "heads"), (queries_differ, "queries")):
+            if differs(mask):
+                raise ValueError(f"attention_mask [B, H, J, K] differs between {what}; Substation's layer takes "
+                                 f"key masks only (and mask: causal in the config); a Hugging Face drop-in "
+                                 f"falls back to its own forward for such masks in eager mode, not under "
+                                 f"torch.compile")
         mask = mask[:, 0, 0, :]
     mask = mask.expand(batch, seq)
     if mask.dtype == torch.bool or not mask.is_floating_point():
@@ -315,7 +318,8 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
                what: str) -> None:
     """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
 
-    Accepted shapes: ``[B, K]``, ``[B, 1, 1, K]``, ``[B, 1, J, K]`` (B may also be 1, broadcast).
+    Accepted shapes: ``[B, K]`` and 4-D ``[B, H, J, K]`` (B, H and J may also be 1, broadcast; the
+    operator reduces a 4-D mask to its key mask after checking that its heads and rows agree).
 
     Raises:
         ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
@@ -332,11 +336,13 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
             or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8)):
         raise TypeError(f"unsupported {what} dtype {mask.dtype}")
     shape = tuple(mask.shape)
+    heads = config.num_heads
     ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
-         (len(shape) == 4 and shape[0] in (1, batch) and shape[1] == 1 and shape[2] in (1, seq) and shape[3] == seq)
+         (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, seq)
+          and shape[3] == seq)
     if not ok:
-        raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], [B, 1, 1, K] or [B, 1, J, K]; "
-                         f"got {shape}")
+        raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], [B, 1, 1, K], [B, 1, J, K] or "
+                         f"[B, H, J, K] with H = {heads}; got {shape}")
 
 
 def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "list[torch.Tensor]",
