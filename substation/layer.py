@@ -212,7 +212,9 @@ class EncoderLayer(nn.Module):
             probabilities (their attention output is the output bias alone). A call that runs the
             forward-only build (no gradient needed, no dropout) with a padding mask computes the real
             tokens only (packed, :mod:`substation.runtime.packing`): rows of padded positions are zeros,
-            as in PyTorch's nested-tensor fast path, and a sequence without real tokens is all zeros.
+            as in PyTorch's nested-tensor fast path, except position 0 of a left-padded sequence (computed,
+            as poolers read it: :func:`~substation.runtime.packing.computed_queries`), and a sequence
+            without real tokens is all zeros.
 
         Raises:
             TypeError, ValueError: see :func:`run_layer`.

@@ -20,6 +20,7 @@ from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
 from conftest import real_rel, rel  # noqa: E402
 from substation import EncoderLayer  # noqa: E402
 from substation.interop import SubstationLayer, drop_in, optimize  # noqa: E402
+from substation.runtime.packing import computed_queries  # noqa: E402
 
 from_hf, from_torch = EncoderLayer.from_hf, EncoderLayer.from_torch
 
@@ -53,10 +54,12 @@ def hf_layer(dtype, **kw):
 
 
 def packed_rel(ours, ref, attend):
-    """``rel`` over the real tokens (``attend`` [B, K], 1 = real) of an inference call, which packs a
-    padded batch; its padded positions must be zeros."""
-    assert float(ours[~attend.bool()].abs().max()) == 0.0
-    return real_rel(ours, ref, attend)
+    """``rel`` over the positions an inference call computes (``attend`` [B, K], 1 = real: the real
+    tokens and position 0 of each sequence with one, :func:`computed_queries`); the other padded
+    positions must be zeros."""
+    computed = computed_queries(attend.bool())
+    assert float(ours[~computed].abs().sum()) == 0.0
+    return real_rel(ours, ref, computed)
 
 
 def key_mask_2d():
@@ -274,6 +277,33 @@ def test_optimize_bert_model(attn):
     assert float((out.hidden_states[0] - ref.hidden_states[0]).abs().max()) == 0.0  # the embeddings
     for a, b in zip(out.hidden_states[1:], ref.hidden_states[1:]):
         assert packed_rel(a, b, am) <= 1e-10
+
+
+def test_left_padding_keeps_the_pooler_output_and_logits():
+    """With left padding position 0 is padding; inference computes it as Hugging Face does (its key
+    masked), so BERT's pooler and a classification head agree with Hugging Face's, packed or not."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(13)
+    ref = BertForSequenceClassification(bert_config(num_labels=3)).double().eval()
+    ours = optimize(copy.deepcopy(ref))
+    ids = torch.randint(0, 64, (B, J))
+    packs = torch.ones(B, J, dtype=torch.long)
+    packs[1, :3] = 0
+    packs[2, :6] = 0
+    one = torch.ones(1, J, dtype=torch.long)
+    one[0, 0] = 0  # one pad token: not worth packing
+    for am, x in ((packs, ids), (one, ids[:1])):
+        with torch.inference_mode():
+            want = ref.bert(input_ids=x, attention_mask=am)
+            got = ours.bert(input_ids=x, attention_mask=am)
+            logits, ref_logits = ours(input_ids=x, attention_mask=am).logits, ref(input_ids=x, attention_mask=am).logits
+        assert float((got.pooler_output - want.pooler_output).abs().max()) <= 1e-10
+        assert float((logits - ref_logits).abs().max()) <= 1e-10
+        computed = am.bool()
+        computed[:, 0] = True
+        assert rel(got.last_hidden_state[computed], want.last_hidden_state[computed]) <= 1e-10
+        assert float(got.last_hidden_state[~computed].abs().sum()) == 0.0  # the other padded positions
 
 
 def test_optimize_with_onednn_float32_gemms():

@@ -11,7 +11,8 @@ import torch
 from conftest import make_layer, reference_for, rel
 from substation.config import load_config
 from substation.runtime import CompiledGraph
-from substation.runtime.packing import group_cost, pack_cu_seqlens, pack_key_mask, plan_groups, real_tokens
+from substation.runtime.packing import (computed_queries, group_cost, pack_cu_seqlens, pack_key_mask, plan_groups,
+                                       real_tokens)
 
 TINY = load_config("configs/tiny.yaml")
 MINILM = load_config("configs/minilm-l6.yaml")
@@ -63,15 +64,22 @@ def test_masks_that_pack_and_masks_that_do_not():
     assert sum(sum(g.lengths) for g in packed.groups) == 9 + 5 + 7  # row 3 has no group
     scatter = packed.scatter.tolist()
     assert len(scatter) == b * j
+    queries = computed_queries(real)  # the real tokens and position 0 of row 2 (left padding)
+    assert torch.equal(queries ^ real, torch.tensor([[False] * j, [False] * j, [True] + [False] * (j - 1),
+                                                     [False] * j]))
     assert {r for r in range(b * j) if scatter[r] != packed.slots} == \
-        set(torch.nonzero((mask == 0).flatten()).flatten().tolist())  # the rest take the zero row S
-    # every slot reads a row of its own sequence: its real tokens in order, then the sequence's first token
+        set(torch.nonzero(queries.flatten()).flatten().tolist())  # the rest take the zero row S
+    # every slot reads a row of its own sequence: its real tokens in order, then (left padding) its
+    # position 0, then the sequence's first token
     slots = packed.gather.tolist()
     for group in packed.groups:
         for k, n in enumerate(group.lengths):
             first = group.start + k * group.seq
             rows = slots[first:first + group.seq]
-            assert len({r // j for r in rows}) == 1 and rows[n:] == [rows[0]] * (group.seq - n)
+            b_of = rows[0] // j
+            extra = [b_of * j] if not real[b_of, 0] else []
+            assert len({r // j for r in rows}) == 1
+            assert rows[n:] == extra + [rows[0]] * (group.seq - n - len(extra))
             assert all(real.flatten()[r] for r in rows[:n]) and rows[:n] == sorted(rows[:n])
     # a real row's output comes from the slot that read it
     assert all(slots[scatter[r]] == r for r in range(b * j) if scatter[r] != packed.slots)
@@ -110,7 +118,11 @@ def test_padded_batch_in_inference_runs_real_tokens_only(monkeypatch):
     want = ref(x, additive).detach()
     real = ~pad
     assert rel(y[real], want[real]) <= 1e-13
-    assert float(y[pad].abs().max()) == 0.0  # padded positions: zeros
+    # position 0 of the left-padded row runs as a query (BERT's pooler reads it), as the reference computes it
+    assert rel(y[2, 0], want[2, 0]) <= 1e-13 and float(y[2, 0].abs().max()) > 0
+    zeros = pad.clone()
+    zeros[2, 0] = False
+    assert float(y[zeros].abs().max()) == 0.0  # the other padded positions: zeros
     computed = sum(n * s for n, s in calls)
     assert computed < b * j and computed >= int(real.sum())
     # with gradients the padded batch runs as one call and pads are computed (training semantics)

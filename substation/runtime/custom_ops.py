@@ -19,7 +19,7 @@ from ..ir.graph import size_symbol
 from ..ir.operands import STACK_LETTER
 from ..passes.precision import boundary_dtype
 from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, pin_layer, registered_layer
-from .packing import pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
+from .packing import computed_queries, pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
 __all__ = ["check_mask", "check_mask_values", "key_mask", "queries_differ", "run_layer", "run_layer_varlen"]
 
@@ -167,8 +167,8 @@ def _layer_forward_impl(key: str, x: torch.Tensor, mask: Optional[torch.Tensor],
     given = {"X": x, **_library_params(compiled.forward, names, [casts.get(n, p) for n, p in zip(names, params)])}
     real = None
     if compiled.config.mask != "none":
-        # Inference with a padding mask: padded positions are zeros, and padded tokens are not computed
-        # where packing saves work (CPU).
+        # Inference with a padding mask: padded positions are zeros (but left padding's position 0:
+        # computed_queries), and padded tokens are not computed where packing saves work (CPU).
         m, real, packed = _inference_packing(mask, attend_marks_true, b, j, _mask_dtype(compiled), compiled.config,
                                              forward_only, x.device.type == "cpu")
         if packed is not None:
@@ -177,7 +177,7 @@ def _layer_forward_impl(key: str, x: torch.Tensor, mask: Optional[torch.Tensor],
         given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
     out = compiled.forward(given, b, j, int(seed.item()), training)
     if forward_only:
-        return [out["Y"] if real is None else out["Y"].masked_fill_(~real.unsqueeze(-1), 0)]
+        return [out["Y"] if real is None else out["Y"].masked_fill_(~computed_queries(real).unsqueeze(-1), 0)]
     return [out[n] for n in compiled.produced_names] + [casts[n] for n in names if n in casts]
 
 

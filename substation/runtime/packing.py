@@ -4,7 +4,8 @@ A padded batch (a key padding mask) or packed tokens with ``cu_seqlens`` offsets
 varlen convention: sequence b holds rows ``cu_seqlens[b]:cu_seqlens[b+1]``) runs as a few *groups*: the
 sequences sorted by real length, each group one dense ``[n, L]`` call of the compiled library, L the
 longest real length in the group. A shorter sequence inside a group is padded to L there with masked
-keys, so attention always sees exactly the sequence's real tokens. Every operator but attention is
+keys, so attention always sees exactly the sequence's real tokens (position 0 of a left-padded
+sequence also runs as a query, :func:`computed_queries`). Every operator but attention is
 token-wise, and attention never mixes sequences, so a real token's output equals the padded batch's
 (up to the rounding of differently blocked GEMMs).
 
@@ -24,7 +25,7 @@ import torch
 from ..config import EncoderConfig
 
 __all__ = ["CALL_TOKENS", "MASKED_BELOW", "PackedBatch", "SequenceGroup", "group_cost", "pack_cu_seqlens",
-           "pack_key_mask", "plan_groups", "real_tokens", "run_packed"]
+           "computed_queries", "pack_key_mask", "plan_groups", "real_tokens", "run_packed"]
 
 #: Fixed cost of one library call (Python and ctypes dispatch, GEMM edge blocks), in tokens of
 #: token-wise work: 0.5 ms per call against ~11 us per token of an all-MiniLM-L6-v2 layer (float32, 2 threads).
@@ -147,23 +148,35 @@ def _live_groups(lengths: list[int], config: EncoderConfig, exact: bool) -> list
     return [[live[m] for m in members] for members in plan_groups([lengths[b] for b in live], config, exact)]
 
 
-def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[int]]) -> PackedBatch:
+def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[int]],
+                  queries: dict[int, int] | None = None) -> PackedBatch:
     """The :class:`PackedBatch` of sequences given by their source rows (int64 tensors, in order) run
-    as ``groups`` (sequence indices, from :func:`_live_groups`); a few tensor operations per group."""
+    as ``groups`` (sequence indices, from :func:`_live_groups`); a few tensor operations per group.
+    ``queries``: sequence -> a padding row computed as a query only (the slot after its real tokens,
+    masked as a key); its output is scattered back like a real token's."""
+    queries = queries or {}
     lengths = [int(s.numel()) for s in sequences]
     gather, real_slots, real_rows, records = [], [], [], []  # per group
     start = 0
     for members in groups:
-        seq = max(lengths[b] for b in members)
+        seq = max(lengths[b] + (b in queries) for b in members)
         sources = torch.cat([sequences[b] for b in members])
         counts = torch.tensor([lengths[b] for b in members])
         real = torch.arange(seq) < counts.unsqueeze(1)  # [n, L], row-major like the group's slots
         # padding slots read their sequence's first token
         slots = sources[torch.cumsum(counts, 0) - counts].unsqueeze(1).expand(len(members), seq).clone()
         slots[real] = sources
-        gather.append(slots.flatten())
         real_slots.append(torch.nonzero(real.flatten()).flatten() + start)
         real_rows.append(sources)
+        extra = [k for k, b in enumerate(members) if b in queries]
+        if extra:
+            ks = torch.tensor(extra)
+            at = counts[ks]  # each such sequence's first padding slot
+            extra_rows = torch.tensor([queries[members[k]] for k in extra])
+            slots[ks, at] = extra_rows
+            real_slots.append(start + ks * seq + at)
+            real_rows.append(extra_rows)
+        gather.append(slots.flatten())
         records.append(SequenceGroup(start, len(members), seq, tuple(lengths[b] for b in members)))
         start += len(members) * seq
     empty = torch.zeros(0, dtype=torch.int64)
@@ -187,11 +200,26 @@ def real_tokens(mask: torch.Tensor) -> torch.Tensor | None:
     return real
 
 
+def computed_queries(real: torch.Tensor) -> torch.Tensor:
+    """The query positions [B, J] bool an inference call computes: the real tokens, and position 0 of
+    every sequence with a real token. With left padding position 0 is padding, but BERT's pooler and
+    the classification heads of its family read it: computed there as Hugging Face does (its key stays
+    masked), their results equal Hugging Face's. Other padded positions are zeros.
+
+    Args:
+        real: bool [B, K] (:func:`real_tokens`).
+    """
+    out = real.clone()
+    out[:, 0] |= real.any(1)
+    return out
+
+
 def pack_key_mask(real: torch.Tensor, config: EncoderConfig) -> PackedBatch | None:
     """The packing of a padded batch [B, J] (rows ``b * J + j``) whose real positions are ``real``, or
     None when packing would not save work: the groups' :func:`group_cost` plus the copies is not below
     the padded batch's. Query positions that are padding are not computed (the caller writes zeros
-    there); a sequence with no real token gets no group.
+    there), except those :func:`computed_queries` adds (position 0 of a left-padded sequence); a
+    sequence with no real token gets no group.
 
     Args:
         real: bool [B, K] on the CPU (:func:`real_tokens`).
@@ -202,14 +230,16 @@ def pack_key_mask(real: torch.Tensor, config: EncoderConfig) -> PackedBatch | No
     """
     batch, seq = real.shape
     lengths = real.sum(1).tolist()
-    groups = _live_groups(lengths, config, exact=False)
-    longest = [max(lengths[b] for b in members) for members in groups]  # decided before any index is built
+    extra = (computed_queries(real)[:, 0] & ~real[:, 0]).tolist()
+    slots = [n + e for n, e in zip(lengths, extra)]
+    groups = _live_groups(slots, config, exact=False)
+    longest = [max(slots[b] for b in members) for members in groups]  # decided before any index is built
     cost = sum(group_cost(len(members), n, config) + COPY_TOKENS * len(members) * n
                for members, n in zip(groups, longest))
     if cost >= group_cost(batch, seq, config):
         return None
     sequences = list(torch.nonzero(real.flatten()).flatten().split(lengths))
-    return _packed_batch(batch * seq, sequences, groups)
+    return _packed_batch(batch * seq, sequences, groups, {b: b * seq for b in range(batch) if extra[b]})
 
 
 def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) -> PackedBatch:
@@ -260,7 +290,8 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
         packed: the :class:`PackedBatch` over those R rows.
 
     Returns:
-        [R, I] of Y's dtype: each real token's output; zeros on the padded rows.
+        [R, I] of Y's dtype: the output of each real token (and of each extra query slot,
+        :func:`computed_queries`); zeros on the other rows.
 
     Raises:
         RuntimeError: the library failed.
