@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 
-from .backends.cpu.codegen import FP32_GEMM_LIBRARIES
+from .backends.cpu.codegen import FP32_GEMM_LIBRARIES, float32_gemm_library
 from .files import OutputError, check_output_dir, publish_dir, publish_files
 
 __all__ = ["main"]
@@ -161,7 +161,7 @@ def cmd_compile(args) -> int:
         "operators_by_class": {g.phase: {c: sum(o.op_class == c for o in g.operators()) for c in ("TC", "SN", "EW")}
                                for g in (fwd, bwd)},
         "saved_for_backward": [t.name for t in fwd.tensors.values() if t.role == "saved"],
-        "fp32_gemm": args.fp32_gemm if config.dtype == "float32" else None,
+        "fp32_gemm": float32_gemm_library(config.dtype, args.fp32_gemm),
         "build_seconds": compiled.build_seconds,
         "pipeline_seconds": total,
         "max_rel_error_vs_pytorch": err,

@@ -12,7 +12,8 @@ from torch import nn
 
 from .config import DTYPES, DropoutConfig, EncoderConfig
 from .interop.families import NotConvertible, activation_name, family_of, layer_config
-from .pipeline import PipelineOptions, build_after_apply, cached_compile, compiled_from_state, compiled_state
+from .backends.cpu.codegen import check_fp32_gemm
+from .pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from .reference import init_parameters
 from .runtime import (ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, CompiledLayer, parameter_names, run_layer,
                       run_layer_varlen)
@@ -94,7 +95,7 @@ class EncoderLayer(nn.Module):
                 convert; the message says why; an unknown ``fp32_gemm``. ConfigError: a bad override.
                 ToolchainError, BuildError: compilation failed.
         """
-        PipelineOptions(fp32_gemm=fp32_gemm)  # checked before anything compiles
+        check_fp32_gemm(fp32_gemm)  # before anything compiles
         config = layer_config(hf_layer, **config_overrides)
         family = family_of(hf_layer)
         new = cls(cached_compile(config, fp32_gemm=fp32_gemm))
@@ -140,7 +141,7 @@ class EncoderLayer(nn.Module):
             ConfigError: an invalid override. ToolchainError, BuildError: compilation failed. ValueError:
                 also an unknown ``fp32_gemm``.
         """
-        PipelineOptions(fp32_gemm=fp32_gemm)  # checked before anything compiles
+        check_fp32_gemm(fp32_gemm)  # before anything compiles
         if not isinstance(layer, nn.TransformerEncoderLayer):
             raise ValueError(f"expected a torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
         sa = layer.self_attn

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .backends.cpu.build import ToolchainError, build_libraries, require_bf16_isa
-from .backends.cpu.codegen import FP32_GEMM_LIBRARIES, generate_cpu, links_onednn
+from .backends.cpu.codegen import check_fp32_gemm, generate_cpu, links_onednn
 from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
@@ -75,9 +75,7 @@ class PipelineOptions:
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.fp32_gemm not in FP32_GEMM_LIBRARIES:
-            raise ValueError(f"fp32_gemm (the library of float32 builds' token-wise GEMMs) must be one of "
-                             f"{', '.join(FP32_GEMM_LIBRARIES)}, got {self.fp32_gemm!r}")
+        check_fp32_gemm(self.fp32_gemm)
         if self.mode == "eval" and self.layout not in (None, "default"):
             raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
                              "an inference build uses PyTorch's layouts (pass layout=None)")

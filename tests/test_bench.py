@@ -91,7 +91,7 @@ def test_machine_probes():
         rate = gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)], fp32_gemm=library)
         peak = max(before, fma_peak(dtype))
         assert peak > 0 and 0 < rate < 1.5 * peak, (dtype, library, before, peak, rate)
-    with pytest.raises(ValueError, match="fp32_gemm must be one of mkl, onednn, got 'blis'"):
+    with pytest.raises(ValueError, match=r"fp32_gemm \(the library of float32 builds' token-wise GEMMs\) must be one of mkl, onednn, got 'blis'"):
         gemm_rate("float32", fp32_gemm="blis")
     with pytest.raises(ValueError, match="dtype must be one of float32, float64, bfloat16, got 'float16'"):
         gemm_rate("float16")

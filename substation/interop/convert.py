@@ -12,7 +12,8 @@ import warnings
 from torch import nn
 
 from ..config import ConfigError, EncoderConfig
-from ..pipeline import PipelineOptions, cached_compile
+from ..backends.cpu.codegen import check_fp32_gemm, float32_gemm_library
+from ..pipeline import cached_compile
 from .families import NotConvertible, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
 
@@ -63,7 +64,7 @@ def drop_in(hf_layer: nn.Module, fp32_gemm: str = "mkl", **config_overrides) -> 
             defines (see :func:`optimize`). ToolchainError, BuildError: compilation failed.
     """
     _check_overrides(config_overrides, "drop_in()")
-    PipelineOptions(fp32_gemm=fp32_gemm)  # checked before anything compiles
+    check_fp32_gemm(fp32_gemm)  # before anything compiles
     family = family_of(hf_layer)
     config = layer_config(hf_layer, family, **config_overrides)
     return replace_with_drop_in(hf_layer, family, cached_compile(config, fp32_gemm=fp32_gemm), config_overrides)
@@ -151,7 +152,7 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     _check_overrides(config_overrides, "optimize()")
-    PipelineOptions(fp32_gemm=fp32_gemm)  # checked before anything compiles
+    check_fp32_gemm(fp32_gemm)  # before anything compiles
     import transformers
 
     major = int(str(transformers.__version__).split(".")[0])
@@ -166,9 +167,10 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
                              "substation.EncoderLayer.from_hf(layer)")
         if isinstance(module, SubstationLayer):
             already += 1
-            if module.substation_compiled.config.dtype == "float32" \
-                    and module.substation_compiled.options["fp32_gemm"] != fp32_gemm:
-                other_gemm.add(module.substation_compiled.options["fp32_gemm"])
+            kept = float32_gemm_library(module.substation_compiled.config.dtype,
+                                        module.substation_compiled.options["fp32_gemm"])
+            if kept not in (None, fp32_gemm):
+                other_gemm.add(kept)
             continue
         try:
             if family is None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from ..runtime import CompiledLayer, run_layer
-from ..runtime.custom_ops import check_mask, check_mask_values, heads_differ, queries_differ
+from ..runtime.custom_ops import check_mask, check_mask_values, mask_differs
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -132,10 +132,10 @@ class SubstationLayer:
             return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and not torch.compiler.is_compiling():
             # under torch.compile the operator checks the data and refuses such a mask (no graph break)
-            for differs, what in ((heads_differ, "heads"), (queries_differ, "queries")):
-                if differs(attention_mask):
-                    check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
-                    return f"the attention mask differs between {what} (not a key padding mask)"
+            what = mask_differs(attention_mask)
+            if what is not None:
+                check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
+                return f"the attention mask differs between {what} (not a key padding mask)"
         return None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any,

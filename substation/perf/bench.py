@@ -37,6 +37,7 @@ from typing import Callable
 
 from ..config import load_config
 from ..layer import EncoderLayer
+from ..backends.cpu.codegen import float32_gemm_library
 from ..pipeline import MODES, compile_layer
 from .analysis import analyze, measure, operator_count
 from .baselines import eager_baseline, padding_mask, real_token_error
@@ -235,7 +236,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         "config": config.to_dict(),
         "batch_size": b, "seq_len": j, "dtype": config.dtype,
         "layout": None if layout is None else str(layout),
-        "fp32_gemm": fp32_gemm if config.dtype == "float32" else None,
+        "fp32_gemm": float32_gemm_library(config.dtype, fp32_gemm),
         "mode": mode,
         "dropout": dataclasses.asdict(config.dropout),
         "mask": (None if mask is None else
@@ -367,7 +368,7 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
                          "bandwidth": nbytes / secs if secs else None,
                          "fraction_of_copy": nbytes / secs / m.copy_bandwidth if secs else None,
                          "pass_seconds": m.pass_seconds.get(phase)}
-    return {"schema": SCHEMA, "config": config.to_dict(), "fp32_gemm": fp32_gemm if config.dtype == "float32" else None,
+    return {"schema": SCHEMA, "config": config.to_dict(), "fp32_gemm": float32_gemm_library(config.dtype, fp32_gemm),
             "batch_size": config.batch_size,
             "seq_len": config.max_seq_len, "dtype": config.dtype,
             "layout": None if layout is None else str(layout), "mode": "train", "threads": machine["threads"],

@@ -46,7 +46,7 @@ __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "
            "train_step", "peak_step_bytes", "compiled_layers", "run_bench_model", "format_bench_model",
            "plot_bench_model"]
 from ..interop import optimize
-from ..pipeline import PipelineOptions
+from ..backends.cpu.codegen import check_fp32_gemm
 from ..runtime import CompiledLayer
 
 #: The bundled model names of ``--model``.
@@ -432,7 +432,7 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
         raise ValueError(f"unknown head {head!r}: use mlm, cls or both")
     spec = model if isinstance(model, ModelSpec) else model_spec(model)
     make_batch(spec.config, HEADS[0], batch, seq_len)  # validates B and J before anything is built
-    PipelineOptions(fp32_gemm=fp32_gemm)
+    check_fp32_gemm(fp32_gemm)
     say = progress or (lambda msg: None)
     machine = machine_info()
     threads = machine["threads"]

@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 
 from ..interop import optimize
-from ..pipeline import PipelineOptions
+from ..backends.cpu.codegen import check_fp32_gemm, float32_gemm_library
 from .baselines import padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
 from .probes import machine_info
@@ -334,7 +334,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         raise ValueError(f"need rounds >= 1 and warmup >= 0, got {rounds} and {warmup}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    PipelineOptions(fp32_gemm=fp32_gemm)
+    check_fp32_gemm(fp32_gemm)
     shapes = tuple(tuple(s) for s in shapes)
     if not shapes:
         raise ValueError("need at least one (batch, seq_len) shape")
@@ -389,7 +389,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         torch._dynamo.reset()  # its caches keep the compiled model alive
     c = spec.config
     return {
-        "schema": SCHEMA, "mode": "eval", "dtype": dtype, "fp32_gemm": fp32_gemm if dtype == "float32" else None,
+        "schema": SCHEMA, "mode": "eval", "dtype": dtype, "fp32_gemm": float32_gemm_library(dtype, fp32_gemm),
         "precision": ("torch.autocast('cpu', dtype=torch.bfloat16) around float32 weights" if dtype == "bfloat16"
                       else "float32"),
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,

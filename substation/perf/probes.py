@@ -12,7 +12,7 @@ import statistics
 import time
 
 from ..backends.cpu.build import build_library
-from ..backends.cpu.codegen import FP32_GEMM_LIBRARIES
+from ..backends.cpu.codegen import check_fp32_gemm
 from ..resources import csrc_file
 
 __all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "machine_info"]
@@ -130,8 +130,7 @@ def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int
         RuntimeError: oneDNN refused a call.
     """
     use_double = _probe_dtype(dtype, ("float32", "float64", "bfloat16"))
-    if fp32_gemm not in FP32_GEMM_LIBRARIES:
-        raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
+    check_fp32_gemm(fp32_gemm)
     shapes = [tuple(int(v) for v in s) for s in shapes]
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
         raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")

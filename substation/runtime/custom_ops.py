@@ -21,7 +21,7 @@ from ..passes.precision import boundary_dtype
 from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, pin_layer, registered_layer
 from .packing import computed_queries, pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
-__all__ = ["check_mask", "check_mask_values", "key_mask", "queries_differ", "run_layer", "run_layer_varlen"]
+__all__ = ["check_mask", "check_mask_values", "key_mask", "mask_differs", "run_layer", "run_layer_varlen"]
 
 
 def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
@@ -40,6 +40,15 @@ def heads_differ(mask: torch.Tensor) -> bool:
     if mask.shape[1] == 1 or mask.stride(1) == 0:
         return False
     return not bool((mask == mask[:, :1]).all())
+
+
+def mask_differs(mask: torch.Tensor) -> str | None:
+    """What a ``[B, H, J, K]`` mask differs between, ``"heads"`` or ``"queries"``, or None when it is a key
+    mask (every head and query row equal; reads the data)."""
+    for differs, what in ((heads_differ, "heads"), (queries_differ, "queries")):
+        if differs(mask):
+            return what
+    return None
 
 
 def check_mask_values(mask: torch.Tensor) -> None:
@@ -73,12 +82,12 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
         return None
     check_mask_values(mask)
     if mask.dim() == 4:
-        for differs, what in ((heads_differ, "heads"), (queries_differ, "queries")):
-            if differs(mask):
-                raise ValueError(f"attention_mask [B, H, J, K] differs between {what}; Substation's layer takes "
-                                 f"key masks only (and mask: causal in the config); a Hugging Face drop-in "
-                                 f"falls back to its own forward for such masks in eager mode, not under "
-                                 f"torch.compile")
+        what = mask_differs(mask)
+        if what is not None:
+            raise ValueError(f"attention_mask [B, H, J, K] differs between {what}; Substation's layer takes "
+                             f"key masks only (and mask: causal in the config); a Hugging Face drop-in "
+                             f"falls back to its own forward for such masks in eager mode, not under "
+                             f"torch.compile")
         mask = mask[:, 0, 0, :]
     mask = mask.expand(batch, seq)
     if mask.dtype == torch.bool or not mask.is_floating_point():

@@ -38,6 +38,23 @@ _COMPUTE = {"float32": "float", "float64": "double", "bfloat16": "float"}
 FP32_GEMM_LIBRARIES = ("mkl", "onednn")
 
 
+def check_fp32_gemm(fp32_gemm) -> None:
+    """Refuse a ``fp32_gemm`` that is not one of :data:`FP32_GEMM_LIBRARIES` (any value: a list too).
+
+    Raises:
+        ValueError: names the value and the libraries.
+    """
+    if fp32_gemm not in FP32_GEMM_LIBRARIES:
+        raise ValueError(f"fp32_gemm (the library of float32 builds' token-wise GEMMs) must be one of "
+                         f"{', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
+
+
+def float32_gemm_library(dtype: str, fp32_gemm: str) -> str | None:
+    """The library of a ``dtype`` build's token-wise GEMMs as results record it: ``fp32_gemm`` for a
+    float32 build, None for the other dtypes (which ignore the option)."""
+    return fp32_gemm if dtype == "float32" else None
+
+
 def links_onednn(dtype: str, fp32_gemm: str) -> bool:
     """Whether the CPU build of a ``dtype`` graph calls oneDNN: every bfloat16 build, and float32 builds
     with ``fp32_gemm`` ``"onednn"``."""
@@ -459,8 +476,7 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
         LayoutError: a contraction's operand layouts need an explicit transpose.
         ValueError: another ``fp32_gemm``.
     """
-    if fp32_gemm not in FP32_GEMM_LIBRARIES:
-        raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
+    check_fp32_gemm(fp32_gemm)
     cfg = graph.config
     sizes = cfg.sizes()
     em = _Emitter(graph, fp32_gemm)
