@@ -62,13 +62,14 @@ def test_masks_that_pack_and_masks_that_do_not():
     packed = pack_key_mask(real, TINY)
     assert packed is not None and packed.rows == b * j
     assert sum(sum(g.lengths) for g in packed.groups) == 9 + 5 + 7  # row 3 has no group
-    scatter = packed.scatter.tolist()
-    assert len(scatter) == b * j
+    destination = packed.destination.tolist()
+    assert len(destination) == packed.slots
     queries = computed_queries(real)  # the real tokens and position 0 of row 2 (left padding)
     assert torch.equal(queries ^ real, torch.tensor([[False] * j, [False] * j, [True] + [False] * (j - 1),
                                                      [False] * j]))
-    assert {r for r in range(b * j) if scatter[r] != packed.slots} == \
-        set(torch.nonzero(queries.flatten()).flatten().tolist())  # the rest take the zero row S
+    written = [r for r in destination if r != b * j]  # the rest go to the spare row R
+    assert sorted(written) == torch.nonzero(queries.flatten()).flatten().tolist()  # each computed row once
+    assert packed.unused.tolist() == torch.nonzero(~queries.flatten()).flatten().tolist()  # zeros there
     # every slot reads a row of its own sequence: its real tokens in order, then (left padding) its
     # position 0, then the sequence's first token
     slots = packed.gather.tolist()
@@ -81,8 +82,8 @@ def test_masks_that_pack_and_masks_that_do_not():
             assert len({r // j for r in rows}) == 1
             assert rows[n:] == extra + [rows[0]] * (group.seq - n - len(extra))
             assert all(real.flatten()[r] for r in rows[:n]) and rows[:n] == sorted(rows[:n])
-    # a real row's output comes from the slot that read it
-    assert all(slots[scatter[r]] == r for r in range(b * j) if scatter[r] != packed.slots)
+    # a computed row's output comes from the slot that read it
+    assert all(slots[k] == r for k, r in enumerate(destination) if r != b * j)
     assert torch.equal(real_tokens(mask.bfloat16()), real)  # bf16 rounds -10000 to -9984: still padding
     soft = torch.zeros(b, j, dtype=torch.float64)
     soft[0, 3] = -2.0  # a soft bias is not padding
@@ -130,6 +131,36 @@ def test_padded_batch_in_inference_runs_real_tokens_only(monkeypatch):
     y_grad = layer(x.clone().requires_grad_(), key_padding_mask=pad)
     assert calls == [(b, j)]
     assert rel(y_grad[real], want[real]) <= 1e-13
+
+
+def test_full_length_sequences_run_in_place_and_equal_the_gathered_run():
+    """A group of consecutive unpadded sequences reads its rows of the input and writes its rows of the
+    output in place (no copy in or out); the result equals running every group from gathered copies,
+    bit for bit, and the reference on the real tokens."""
+    import dataclasses
+    from substation.runtime.packing import run_packed
+    layer = make_layer(TINY).eval()
+    ref = reference_for(layer).eval()
+    b, j = 4, 64
+    pad = torch.zeros(b, j, dtype=torch.bool)
+    pad[2:, 32:] = True  # rows 0, 1 full, rows 2, 3 half
+    packed = pack_key_mask(~pad, TINY)
+    assert [(g.batch, g.seq, g.source_start) for g in packed.groups] == [(2, 64, 0), (2, 32, None)]
+    assert packed.unused.tolist() == torch.nonzero(pad.flatten()).flatten().tolist()
+    torch.manual_seed(3)
+    x = torch.randn(b, j, TINY.hidden_size, dtype=torch.float64)
+    with torch.inference_mode():
+        y = layer(x, key_padding_mask=pad)
+        graph = layer.compiled.forward_only().forward
+        given = {n: getattr(layer, n).detach().contiguous() for n in layer.parameter_names}
+        gathered = dataclasses.replace(packed, groups=tuple(dataclasses.replace(g, source_start=None)
+                                                            for g in packed.groups))
+        y_in_place = run_packed(graph, given, x.view(b * j, -1), packed).view(b, j, -1)
+        y_gathered = run_packed(graph, given, x.view(b * j, -1), gathered).view(b, j, -1)
+    assert torch.equal(y_in_place, y_gathered) and torch.equal(y, y_in_place)
+    want = ref(x, torch.zeros(b, j, dtype=torch.float64).masked_fill(pad, float("-inf"))).detach()
+    assert rel(y[~pad], want[~pad]) <= 1e-13
+    assert float(y[pad].abs().max()) == 0.0
 
 
 def test_a_mask_changed_in_place_between_calls_is_seen(monkeypatch):
@@ -236,6 +267,8 @@ def test_varlen_rejects_bad_offsets():
 def test_layout_of_a_packed_batch():
     packed = pack_cu_seqlens(torch.tensor([0, 4, 5, 9]), 9, TINY)
     assert packed.rows == 9 and packed.slots >= 9
-    assert all(packed.gather[s] == r for r, s in enumerate(packed.scatter.tolist()))  # every row real, read back
+    dest = packed.destination.tolist()
+    assert sorted(r for r in dest if r != 9) == list(range(9)) and packed.unused.numel() == 0  # every row real
+    assert all(packed.gather[k] == r for k, r in enumerate(dest) if r != 9)  # written back where it was read
     for group in packed.groups:
         assert group.seq == max(group.lengths) and group.start + group.batch * group.seq <= packed.slots

@@ -465,3 +465,19 @@ def test_forward_mode_ad_and_vmap_raise_and_the_profiler_sees_the_operator(tiny_
     with torch.inference_mode(), torch.profiler.profile() as prof:
         layer(x)
     assert any(e.key == "substation::layer_forward" for e in prof.key_averages())
+
+
+def test_backward_fills_no_zero_gradients_for_the_saved_outputs(tiny_nodrop):
+    """The operator's outputs besides Y (the tensors saved for backward) get no gradient: autograd must
+    not fill a zero tensor for each of them before the backward library runs (a BERT-base bf16 step
+    spent 2.6 ms of its 35 ms backward on that)."""
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer).requires_grad_()
+    y = layer(x)
+    dy = torch.ones_like(y)
+    with torch.profiler.profile() as prof:
+        y.backward(dy)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("substation::layer_backward") == 1
+    assert counts.get("aten::fill_", 0) == 0 and counts.get("aten::zero_", 0) == 0
+    assert x.grad is not None and all(p.grad is not None for p in layer.parameters())

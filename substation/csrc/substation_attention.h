@@ -175,15 +175,16 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
 }
 
 #if defined(__AVX512BF16__)
-// exp of the lanes of t (t <= 0 or NaN: a score minus its row's maximum) that `tail` selects, zero in
-// the others, to 3e-6 relative: enough where the result is rounded to bf16 (2e-3), in 10 instructions
-// (exp_lanes: 15). 2^(t log2 e) = 2^k 2^f, k = round(t log2 e), f in [-1/2, 1/2], 2^f by a degree-4
-// polynomial fitted to the relative error on that interval; under e^-87.3 the result is 0.
-static inline __m512 exp_lanes_bf16(__m512 t, __mmask16 tail) {
+// 2^y for the lanes `tail` selects (y <= 0 or NaN: a score minus its row's maximum, in base-2 units),
+// zero in the others and under 2^-126 (a masked key's -inf; no denormal result, which Intel CPUs make
+// slowly), to 3e-6 relative: enough where the result is rounded to bf16 (2e-3), in 10 instructions.
+// 2^y = 2^k 2^f, k = round(y), f in [-1/2, 1/2], 2^f by a degree-4 polynomial fitted to the relative
+// error on that interval.
+static inline __m512 exp2_lanes_bf16(__m512 y, __mmask16 tail) {
   constexpr float c0 = 0.99999928f, c1 = 0.69312185f, c2 = 0.24024744f, c3 = 0.055917766f, c4 = 0.0095700528f;
-  const __m512 lo = _mm512_set1_ps(expf_constants::lo);
-  const __mmask16 live = _mm512_cmp_ps_mask(t, lo, _CMP_NLT_UQ) & tail;
-  const __m512 y = _mm512_mul_ps(_mm512_max_ps(lo, t), _mm512_set1_ps(expf_constants::log2e));
+  const __m512 lo = _mm512_set1_ps(-126.0f);
+  const __mmask16 live = _mm512_cmp_ps_mask(y, lo, _CMP_NLT_UQ) & tail;
+  y = _mm512_max_ps(lo, y);
   const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, k);
   __m512 p = _mm512_set1_ps(c4);
@@ -191,48 +192,72 @@ static inline __m512 exp_lanes_bf16(__m512 t, __mmask16 tail) {
   return _mm512_maskz_scalef_ps(live, p, k);
 }
 
-// One query's scores s[0, K) (float, unscaled): alpha s + mask and the causal mask in one pass that
-// also finds the maximum, then the exponentials, their float sum and their bf16 rounding (zero from the
-// key count on, to Kp) into p in a second; returns 1 / the sum (0 when every score is -inf).
+// One sequence's additive key mask in base-2 units: out[i] = log2(e) mask[i], i < K (once per task,
+// so the softmax adds it with one FMA per 16 keys).
+static inline const float* key_mask_log2(const bf16_t* mask, int64_t K, float* __restrict__ out) {
+#pragma omp simd
+  for (int64_t i = 0; i < K; ++i) out[i] = bf16_to_float(mask[i]) * expf_constants::log2e;
+  return out;
+}
+
+// One query's scores s[0, Kp) (float, unscaled; Kp a multiple of 32): exp(alpha s + mask) over its row
+// maximum, with the causal mask, as base-2 exponentials (alpha log2(e) s + mask2, mask2 from
+// key_mask_log2 or null), their float sum and their bf16 rounding into p (zero from the key count on,
+// to Kp); returns 1 / the sum (0 when every score is -inf). Without a mask and with alpha > 0 the
+// first pass only finds max(s) (max(alpha s) = alpha max(s)) and the second scales as it goes.
 static inline float bf16_probabilities(float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp, float alpha,
-                                      const bf16_t* mask, bool causal, int64_t query) {
+                                      const float* mask2, bool causal, int64_t query) {
   const int64_t live = causal ? std::min<int64_t>(K, query + 1) : K;  // keys past the query are -inf
-  const __m512 scale = _mm512_set1_ps(alpha);
+  const float c = alpha * expf_constants::log2e;
+  const bool raw_max = mask2 == nullptr && c > 0;
+  const __m512 scale = _mm512_set1_ps(c);
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < live; i += 16) {
     const __mmask16 tail = first_lanes(live - i);
-    __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), scale);
-    if (mask) {
-      const __m256i m = _mm256_maskz_loadu_epi16(tail, mask + i);
-      t = _mm512_add_ps(t, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(m), 16)));
+    __m512 t = _mm512_maskz_loadu_ps(tail, s + i);
+    if (!raw_max) {
+      t = mask2 ? _mm512_fmadd_ps(t, scale, _mm512_maskz_loadu_ps(tail, mask2 + i)) : _mm512_mul_ps(t, scale);
+      _mm512_mask_storeu_ps(s + i, tail, t);
     }
-    _mm512_mask_storeu_ps(s + i, tail, t);
     mx = _mm512_mask_max_ps(mx, tail, mx, t);
   }
   float top = _mm512_reduce_max_ps(mx);
+  if (raw_max) top *= c;
   if (top == -INFINITY) top = 0;
   const __m512 shift = _mm512_set1_ps(top);
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < Kp; i += 16) {
-    const __mmask16 tail = first_lanes(live - i);
-    const __m512 e = exp_lanes_bf16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift), tail);
-    acc = _mm512_add_ps(acc, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+  for (int64_t i = 0; i < Kp; i += 32) {
+    __m512 e[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m512 x = _mm512_loadu_ps(s + i + 16 * half);  // lanes past `live` give 0
+      const __m512 y = raw_max ? _mm512_fmsub_ps(x, scale, shift) : _mm512_sub_ps(x, shift);
+      e[half] = exp2_lanes_bf16(y, first_lanes(live - i - 16 * half));
+      acc = _mm512_add_ps(acc, e[half]);
+    }
+    _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
   }
   const float sum = _mm512_reduce_add_ps(acc);
   return sum == 0 ? 0.0f : 1.0f / sum;
 }
 
 // The context rows of a block, each scaled by its 1 / sum and rounded once: y[r, p] = bf16(o[r, p] inv[r])
-// for r < rows, p < P (o row stride ldo, y row stride ldy).
+// for r < rows, p < P (o row stride ldo, at least P rounded up to 32; y row stride ldy), 32 columns per
+// VCVTNE2PS2BF16 (round to nearest even, as float_to_bf16).
 static inline void store_scaled_rows(int64_t rows, int64_t P, const float* o, int64_t ldo, const float* inv,
                                      bf16_t* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = o + r * ldo;
     bf16_t* out = y + r * ldy;
-    const float scale = inv[r];
-#pragma omp simd
-    for (int64_t p = 0; p < P; ++p) out[p] = float_to_bf16(row[p] * scale);
+    const __m512 scale = _mm512_set1_ps(inv[r]);
+    for (int64_t p = 0; p < P; p += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(row + p), scale);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(row + p + 16), scale);
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      if (P - p >= 32)
+        _mm512_storeu_si512(out + p, packed);
+      else
+        _mm512_mask_storeu_epi16(out + p, (__mmask32)((1ull << (P - p)) - 1), packed);
+    }
   }
 }
 
@@ -335,14 +360,14 @@ static inline void attention_forward_dp(int64_t B, int64_t H, int64_t J, int64_t
     std::vector<uint32_t> kt((size_t)(Kp * pairs));
     std::vector<bf16_t> vt((size_t)(key_pairs * width * 2)), pr((size_t)(DP_ROWS * Kp)),
         qr((size_t)(DP_ROWS * 2 * pairs), bf16_t(0));
-    std::vector<float> s((size_t)(DP_ROWS * Kp)), o((size_t)(DP_ROWS * width));
+    std::vector<float> s((size_t)(DP_ROWS * Kp)), o((size_t)(DP_ROWS * width)), mask2(mask ? (size_t)K : 0);
     float inv[DP_ROWS];
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h) {
         dp_pack_keys(K, P, k + b * k_s[0] + h * k_s[2], k_s[1], pairs, kt.data());
         dp_pack_values(K, P, v + b * v_s[0] + h * v_s[2], v_s[1], key_pairs, width, vt.data());
-        const bf16_t* mb = mask ? mask + b * mask_b : nullptr;
+        const float* mb = mask ? key_mask_log2(mask + b * mask_b, K, mask2.data()) : nullptr;
         for (int64_t j0 = 0; j0 < J; j0 += DP_ROWS) {
           const int nj = (int)std::min<int64_t>(DP_ROWS, J - j0);
           const bf16_t* qb = q + b * q_s[0] + j0 * q_s[1] + h * q_s[2];
@@ -460,14 +485,14 @@ static inline void attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_
     _tile_loadconfig(&config);
     std::vector<uint32_t> kt((size_t)(Kp * Pp / 2));
     std::vector<bf16_t> vt((size_t)(Kp * Pp)), pr((size_t)(16 * Kp)), qr((size_t)(16 * Pp));
-    std::vector<float> s((size_t)(16 * Kp)), o((size_t)(16 * Pp));
+    std::vector<float> s((size_t)(16 * Kp)), o((size_t)(16 * Pp)), mask2(mask ? (size_t)K : 0);
     float inv[16];
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h) {
         amx_pack_keys(K, P, k + b * k_s[0] + h * k_s[2], k_s[1], Kp, Pp, kt.data());
         amx_pack_values(K, P, v + b * v_s[0] + h * v_s[2], v_s[1], Kp, Pp, vt.data());
-        const bf16_t* mb = mask ? mask + b * mask_b : nullptr;
+        const float* mb = mask ? key_mask_log2(mask + b * mask_b, K, mask2.data()) : nullptr;
         for (int64_t j0 = 0; j0 < J; j0 += 16) {
           const int64_t nj = std::min<int64_t>(16, J - j0);
           const bf16_t* qb = q + b * q_s[0] + j0 * q_s[1] + h * q_s[2];

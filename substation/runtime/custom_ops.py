@@ -241,6 +241,8 @@ def _layer_backward_fake(key, dy, saved, seed, training):
 def _layer_setup_context(ctx, inputs, output):
     key, x, _, _, params, seed, training, forward_only, bf16_autocast, _ = inputs
     ctx.forward_only = forward_only
+    # only Y's gradient is used: autograd would otherwise fill a zero gradient for every saved output
+    ctx.set_materialize_grads(False)
     if forward_only:
         return
     compiled = _chosen_build(key, bf16_autocast)
@@ -523,4 +525,7 @@ def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_se
         xg = x.index_select(0, rows).view(g.batch, g.seq, -1)
         mask = g.key_mask(_mask_dtype(compiled)).to(x.device) if g.padded else None
         outputs.append(run_layer(compiled, xg, params, training, attention_mask=mask).flatten(0, 1))
-    return torch.cat(outputs).index_select(0, packed.scatter.to(x.device))  # every row is a real token
+    real = packed.destination < packed.rows  # every row is a real token; padding slots are not read back
+    slot_of = torch.empty(packed.rows, dtype=torch.int64)
+    slot_of[packed.destination[real]] = torch.nonzero(real).flatten()
+    return torch.cat(outputs).index_select(0, slot_of.to(x.device))

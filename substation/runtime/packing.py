@@ -99,12 +99,16 @@ def plan_groups(lengths: list[int], config: EncoderConfig, exact: bool = False) 
 @dataclasses.dataclass(frozen=True)
 class SequenceGroup:
     """One library call of a :class:`PackedBatch`: ``batch`` sequences padded to ``seq`` positions,
-    slots ``start : start + batch * seq``; ``lengths`` their real lengths (each <= seq)."""
+    slots ``start : start + batch * seq``; ``lengths`` their real lengths (each <= seq);
+    ``source_start``: when the slots read the source rows ``source_start : source_start + batch * seq``
+    in order (consecutive sequences, none padded: the full-length rows of a padded batch, sorted input),
+    that first row, so the call reads and writes those rows in place; else None."""
 
     start: int
     batch: int
     seq: int
     lengths: tuple[int, ...]
+    source_start: int | None = None
 
     @property
     def padded(self) -> bool:
@@ -127,14 +131,17 @@ class PackedBatch:
         groups: the calls, in slot order.
         gather: int64 [S], the source row of every slot (a padding slot reads its sequence's first
             token; its key is masked and its output dropped).
-        scatter: int64 [R], the slot whose output each source row gets; S for a row that is no real
-            token (the outputs carry one zero row after the S slots: its output is zeros).
+        destination: int64 [S], the result row every slot's output goes to; R for a padding slot (the
+            result carries one spare row after the R rows for them).
+        unused: int64 [R - computed], the result rows no slot writes (rows that are no real token):
+            their output is zeros.
     """
 
     rows: int
     groups: tuple[SequenceGroup, ...]
     gather: torch.Tensor
-    scatter: torch.Tensor
+    destination: torch.Tensor
+    unused: torch.Tensor
 
     @property
     def slots(self) -> int:
@@ -176,14 +183,20 @@ def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[in
             slots[ks, at] = extra_rows
             real_slots.append(start + ks * seq + at)
             real_rows.append(extra_rows)
-        gather.append(slots.flatten())
-        records.append(SequenceGroup(start, len(members), seq, tuple(lengths[b] for b in members)))
+        flat = slots.flatten()
+        first = int(flat[0])
+        in_place = bool(torch.equal(flat, torch.arange(first, first + flat.numel())))
+        gather.append(flat)
+        records.append(SequenceGroup(start, len(members), seq, tuple(lengths[b] for b in members),
+                                     first if in_place else None))
         start += len(members) * seq
     empty = torch.zeros(0, dtype=torch.int64)
     cat = (lambda ts: torch.cat(ts) if ts else empty)
-    scatter = torch.full((rows,), start, dtype=torch.int64)  # start = S: the zero row
-    scatter[cat(real_rows)] = cat(real_slots)
-    return PackedBatch(rows, tuple(records), cat(gather), scatter)
+    destination = torch.full((start,), rows, dtype=torch.int64)  # padding slots: the spare row R
+    destination[cat(real_slots)] = cat(real_rows)
+    written = torch.zeros(rows, dtype=torch.bool)
+    written[cat(real_rows)] = True
+    return PackedBatch(rows, tuple(records), cat(gather), destination, torch.nonzero(~written).flatten())
 
 
 def real_tokens(mask: torch.Tensor) -> torch.Tensor | None:
@@ -297,15 +310,21 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
         RuntimeError: the library failed.
     """
     hidden = x_rows.shape[1]
-    xs = x_rows.index_select(0, packed.gather)
-    ys = torch.empty(packed.slots + 1, hidden, dtype=graph.dtypes["Y"])
-    ys[packed.slots].zero_()  # the output of the rows that are no real token
+    out = torch.empty(packed.rows + 1, hidden, dtype=graph.dtypes["Y"])  # + the spare row of padding slots
     has_mask = "mask" in graph.dtypes
     for g in packed.groups:
-        part = slice(g.start, g.start + g.batch * g.seq)
-        tensors = {**given, "X": xs[part].view(g.batch, g.seq, hidden), "Y": ys[part].view(g.batch, g.seq, hidden)}
+        n = g.batch * g.seq
+        if g.source_start is not None:  # its rows in place: no copy in or out
+            rows = slice(g.source_start, g.source_start + n)
+            x, y = x_rows[rows], out[rows]
+        else:
+            x, y = x_rows.index_select(0, packed.gather[g.start:g.start + n]), torch.empty(n, hidden, dtype=out.dtype)
+        tensors = {**given, "X": x.view(g.batch, g.seq, hidden), "Y": y.view(g.batch, g.seq, hidden)}
         if has_mask:
             dtype = graph.dtypes["mask"]
             tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
         graph.run_into(tensors, g.batch, g.seq)
-    return ys.index_select(0, packed.scatter)  # one pass: real rows from their slots, the rest zeros
+        if g.source_start is None:
+            out.index_copy_(0, packed.destination[g.start:g.start + n], y)
+    out.index_fill_(0, packed.unused, 0)
+    return out[:packed.rows]
