@@ -562,6 +562,27 @@ def test_settings_changed_after_optimize_switch_the_build():
     assert ours.encoder.layer[1].substation_compiled.config.dropout.probabilities() == (0.0, 0.0, 0.0, 0.0)
 
 
+def test_settings_changed_after_optimize_are_traced_by_torch_compile():
+    """A layer changed after optimize() and compiled before any eager call traces the build of its new
+    settings (it traced the old one: ReLU ran as GELU), and a change that needs Hugging Face's forward
+    traces that."""
+    plain, ours = plain_and_optimized("bert")
+    for model in (plain, ours):
+        for layer in model.encoder.layer:
+            layer.intermediate.intermediate_act_fn = nn.ReLU()
+        model.encoder.layer[1].output.LayerNorm.eps = 0.5  # one norm of two: not a Substation config
+    inputs = text_inputs(38)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    with torch.no_grad(), pytest.warns(UserWarning, match="LayerNorms use different eps"):
+        got = compiled(**inputs).last_hidden_state
+    with torch.no_grad():
+        want = plain(**inputs).last_hidden_state
+    assert real_rel(got, want, inputs.get("attention_mask")) <= 1e-10
+    assert ours.encoder.layer[0].substation_compiled.config.activation == "relu"
+    torch._dynamo.reset()
+
+
 def test_weights_replaced_or_edited_after_optimize_are_read_at_the_next_call():
     """Drop-in layers keep the modules holding their parameters between calls: a replaced submodule of
     the same class, a new Parameter, an edit through .data and an in-place edit are all seen."""

@@ -41,6 +41,23 @@ def _attentions_requested() -> bool:
     return isinstance(collected, dict) and ("attentions" in collected or "cross_attentions" in collected)
 
 
+@torch.compiler.assume_constant_result
+def _traced_sync(layer) -> str | None:
+    """``layer._substation_sync()`` evaluated when torch.compile traces the layer, its result a constant
+    of the graph (dynamo does not trace the module walk it makes)."""
+    return layer._substation_sync()
+
+
+@torch.compiler.assume_constant_result
+def _warn_fallback(layer_class: str, reason: str) -> bool:
+    """Warn once per (class, reason) that a call runs the Hugging Face forward; traced, at trace time
+    (dynamo cannot trace ``warnings.warn``). Returns True."""
+    if (layer_class, reason) not in _WARNED:
+        _WARNED.add((layer_class, reason))
+        warnings.warn(f"{layer_class}: {reason}; running the Hugging Face forward for this call", stacklevel=3)
+    return True
+
+
 class SubstationLayer:
     """Mixin of the drop-in layer classes (placed before the ``transformers`` layer class in the MRO).
 
@@ -113,16 +130,15 @@ class SubstationLayer:
             self.substation_compiled = cached_compile(config, **self.substation_compiled.options)
         return None
 
-    def _substation_fallback(self, attention_mask, kwargs: dict) -> str | None:
-        """Why this call must run the replaced layer's own forward, or None.
+    def _substation_fallback(self, attention_mask, kwargs: dict, synced: str | None) -> str | None:
+        """Why this call must run the replaced layer's own forward, or None; ``synced``: what
+        :meth:`_substation_sync` said for this call.
 
         Raises:
             ValueError: a float mask holding NaN or +inf (:func:`~substation.runtime.custom_ops.check_mask_values`).
         """
-        if not torch.compiler.is_compiling():  # a compiled graph is specialised to the layer as traced
-            reason = self._substation_sync()
-            if reason is not None:
-                return reason
+        if synced is not None:
+            return synced
         if kwargs.get("output_attentions") or _attentions_requested():
             return "output_attentions=True (the compiled layer does not materialise attention probabilities)"
         for name in ("cache", "past_key_values", "layer_past", "head_mask"):
@@ -146,18 +162,18 @@ class SubstationLayer:
             TypeError, ValueError: from :func:`substation.runtime.run_layer` (dtype, device, shape,
                 weights still on the meta device).
         """
+        # first, before anything reads substation_compiled (it may switch builds). Traced: run at trace
+        # time, its result a constant (the graph is specialised to the layer as traced; a layer changed
+        # later needs a new torch.compile, docs/huggingface.md)
+        synced = _traced_sync(self) if torch.compiler.is_compiling() else self._substation_sync()
         if isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor) \
                 and hidden_states.dim() == 3 and self.substation_compiled.config.mask != "none":
             # a bad mask is named here, not handed to Hugging Face's forward
             check_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device,
                        self.substation_compiled.config, "attention_mask")
-        reason = self._substation_fallback(attention_mask, kwargs)
+        reason = self._substation_fallback(attention_mask, kwargs, synced)
         if reason is not None:
-            key = (type(self).__name__, reason)
-            if key not in _WARNED:
-                _WARNED.add(key)
-                warnings.warn(f"{type(self).__name__}: {reason}; running the Hugging Face forward for this call",
-                              stacklevel=2)
+            _warn_fallback(type(self).__name__, reason)
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \
                 and not torch.compiler.is_compiling():
