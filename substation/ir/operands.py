@@ -42,13 +42,15 @@ class Operand:
     strides: dict    # loop letter -> symbolic element stride
     base: object     # symbolic element offset from the fixed (digit) indices
 
-    def offset(self, letters=None) -> str:
+    def offset(self, letters=None, index=None) -> str:
         """The C expression of the element offset ``base + sum(i_<c> * stride_c)`` over ``letters``
-        (default: all of the operand's letters)."""
+        (default: all of the operand's letters); ``index(c)`` names the index variable of letter c
+        (default ``i_<c>``)."""
+        index = index or (lambda c: f"i_{c}")
         terms = [] if self.base == 0 else [c_expr(self.base)]
         for c, s in self.strides.items():
             if letters is None or c in letters:
-                terms.append(f"i_{c}" if s == 1 else f"i_{c} * ({c_expr(s)})")
+                terms.append(index(c) if s == 1 else f"{index(c)} * ({c_expr(s)})")
         return " + ".join(terms) or "0"
 
 
