@@ -583,6 +583,31 @@ def test_settings_changed_after_optimize_are_traced_by_torch_compile():
     torch._dynamo.reset()
 
 
+def test_dropout_one_keeps_the_layer_and_gelu_approximate_changed_in_place_is_seen():
+    """nn.Dropout(p=1.0) is legal but no Substation config: optimize() keeps such layers (a reason in
+    the summary) and a layer set to it later falls back with a warning, instead of a ConfigError;
+    switching GELU's ``approximate`` in place switches the build."""
+    plain, ours = plain_and_optimized("bert")
+    inputs = text_inputs(38)
+    mask = inputs.get("attention_mask")
+    for model in (plain, ours):
+        model.encoder.layer[0].intermediate.intermediate_act_fn = nn.GELU(approximate="tanh")
+    with torch.no_grad():
+        ours(**inputs)
+        for model in (plain, ours):
+            model.encoder.layer[0].intermediate.intermediate_act_fn.approximate = "none"
+        assert real_rel(ours(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, mask) <= 1e-10
+    assert ours.encoder.layer[0].substation_compiled.config.activation == "gelu"
+    for model in (plain, ours):
+        model.encoder.layer[1].attention.self.dropout.p = 1.0
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"in \[0, 1\)"):
+        got = ours(**inputs).last_hidden_state
+    with torch.no_grad():
+        assert real_rel(got, plain(**inputs).last_hidden_state, mask) <= 1e-10
+    kept = optimize(copy.deepcopy(plain))
+    assert not isinstance(kept.encoder.layer[1], SubstationLayer) and isinstance(kept.encoder.layer[0], SubstationLayer)
+
+
 def test_weights_replaced_or_edited_after_optimize_are_read_at_the_next_call():
     """Drop-in layers keep the modules holding their parameters between calls: a replaced submodule of
     the same class, a new Parameter, an edit through .data and an in-place edit are all seen."""

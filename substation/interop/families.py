@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import CUDA_DTYPES, DTYPES, DropoutConfig, EncoderConfig
+from ..config import CUDA_DTYPES, DTYPES, ConfigError, DropoutConfig, EncoderConfig
 from ..runtime import DTYPE_NAMES, PARAMETER_NAMES
 
 __all__ = ["FAMILIES", "Family", "NotConvertible", "activation_name", "family_of", "layer_config"]
@@ -344,10 +344,13 @@ def layer_config(layer: nn.Module, family: Family | None = None, **config_overri
     family = family or family_of(layer)
     if family is None:
         raise NotConvertible(f"{type(layer).__name__} is not a layer class Substation converts")
-    fields = family.read(layer)
-    dtype, target = _weights_dtype_and_target(layer)
-    base = EncoderConfig(batch_size=1, max_seq_len=_max_positions(layer) or 512, layer_norm=family.layer_norm,
-                         dtype=dtype, mask="padding", target=target, name="hf-layer", **fields)
+    try:
+        fields = family.read(layer)
+        dtype, target = _weights_dtype_and_target(layer)
+        base = EncoderConfig(batch_size=1, max_seq_len=_max_positions(layer) or 512, layer_norm=family.layer_norm,
+                             dtype=dtype, mask="padding", target=target, name="hf-layer", **fields)
+    except ConfigError as e:  # a setting the layer allows but Substation does not compile (dropout p = 1)
+        raise NotConvertible(str(e)) from e
     config = base.replace(**config_overrides)
     if config.norm_type != base.norm_type:
         raise ValueError(f"norm_type={config.norm_type!r} cannot override a {family.name} layer: its weights are "

@@ -85,14 +85,14 @@ class SubstationLayer:
     substation_overrides: dict
 
     def _substation_fingerprint(self) -> tuple:
-        # what the full check below reads, cheaply: each submodule's identity and class, hooks, dropout p
-        # and eps (a walk of _modules: named_modules() costs several times more per call)
+        # what the full check below reads, cheaply: each submodule's identity and class, hooks, dropout p,
+        # eps and GELU's approximate (a walk of _modules: named_modules() costs several times more per call)
         out, todo = [], [self]
         while todo:
             m = todo.pop()
             d = m.__dict__
             out.append((id(m), type(m), len(m._forward_hooks), len(m._forward_pre_hooks), d.get("p"), d.get("eps"),
-                        m.training))
+                        d.get("approximate"), m.training))
             todo.extend(c for c in m._modules.values() if c is not None)
         return tuple(out)
 
