@@ -20,6 +20,7 @@ fused attention kernel are emitted by :mod:`substation.backends.cpu.contraction`
 """
 from __future__ import annotations
 
+from ...config import ITEMSIZES
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import Operand, dim_size, linear_index, resolve_operand, split_stack_params
 from ..common import stat_tensors, workspace_slots
@@ -131,7 +132,6 @@ COLUMN_BLOCK = 32
 #: Row kernels touch the pages of the row this many rows ahead (:meth:`_RowKernel._prefetch_rows_ahead`).
 PREFETCH_ROWS = 2
 PAGE_BYTES = 4096
-_ITEM_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 #: Elements per dropout-mask chunk when a row's random words are drawn next to the loop that uses
 #: them: 256 elements are 32 Philox blocks, one two-chain AVX-512 call, and the chunk's generation
 #: overlaps the previous chunk's loads and stores (a whole row first would stall on memory after).
@@ -372,6 +372,13 @@ class _RowKernel(RowEmitter):
         op = resolve_operand(self.graph, t, a)
         return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
 
+    def _row_indices(self, row: str, prefix: str, rem: str) -> None:
+        """Declare ``<prefix>_<c>``, the index along each row letter c of the row number ``row`` (``rem``:
+        the remainder variable)."""
+        self.w(f"int64_t {rem} = {row};")
+        for c in reversed(self.R):
+            self.w(f"const int64_t {prefix}_{c} = {rem} % {dim_size(c)}; {rem} /= {dim_size(c)};")
+
     def _prefetch_rows_ahead(self) -> None:
         """Touch every 4 KiB page of the row PREFETCH_ROWS ahead of this one in each full-row tensor
         (a single inner letter) whose rows are a page or longer: the hardware prefetchers stop at page
@@ -391,13 +398,11 @@ class _RowKernel(RowEmitter):
             return
         self.w(f"if (row_ + {PREFETCH_ROWS} < hi_) {{")
         self.em.indent += 1
-        self.w(f"int64_t pre_ = row_ + {PREFETCH_ROWS};")
-        for c in reversed(self.R):
-            self.w(f"const int64_t p_{c} = pre_ % {dim_size(c)}; pre_ /= {dim_size(c)};")
+        self._row_indices(f"row_ + {PREFETCH_ROWS}", "p", "pre_")
         written = set(self.model.stores)
         size = dim_size(n)
         for t, op in full:  # points a page apart from the row's first element to its last: one in each page
-            step = PAGE_BYTES // _ITEM_BYTES[self.em.dtypes[t]]
+            step = PAGE_BYTES // ITEMSIZES[self.em.dtypes[t]]
             at = op.offset(index=lambda c: f"std::min<int64_t>(q_, {size} - 1)" if c == n else f"p_{c}")
             self.w(f"if ({size} >= {step}) for (int64_t q_ = 0; q_ < {size} + {step - 1}; q_ += {step}) "
                    f"__builtin_prefetch(&{t}[{at}], {int(t in written)}, 3);")
@@ -443,9 +448,7 @@ class _RowKernel(RowEmitter):
         self.w("for (int64_t row_ = lo_; row_ < hi_; ++row_) {")
         self.em.indent += 1
         if self.R:
-            self.w("int64_t rem_ = row_;")
-            for c in reversed(self.R):
-                self.w(f"const int64_t i_{c} = rem_ % {dim_size(c)}; rem_ /= {dim_size(c)};")
+            self._row_indices("row_", "i", "rem_")
             self._prefetch_rows_ahead()
         self._render_row(items)
         self.em.indent = outer + 2
