@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 
-from .backends.cpu.codegen import FP32_GEMM_LIBRARIES, float32_gemm_library
+from .backends.cpu.contraction import FP32_GEMM_LIBRARIES, float32_gemm_library
 from .files import OutputError, check_output_dir, publish_dir, publish_files
 
 __all__ = ["main"]

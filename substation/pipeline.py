@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .backends.cpu.build import ToolchainError, build_libraries, require_bf16_isa
-from .backends.cpu.codegen import check_fp32_gemm, generate_cpu, links_onednn
+from .backends.cpu.codegen import generate_cpu
+from .backends.cpu.contraction import check_fp32_gemm, links_onednn
 from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
@@ -56,7 +57,12 @@ class PipelineOptions:
         fp32_gemm: the library of float32 CPU builds' token-wise contractions (other builds ignore it):
             ``"mkl"`` (``cblas_sgemm``) or ``"onednn"`` (``ss::matmul<float>``: 1.10-1.24x faster layers on
             AMD Zen 4, with up to 2.2x PyTorch float32's error on weight gradients; docs/toolchain.md), one
-            of :data:`~substation.backends.cpu.codegen.FP32_GEMM_LIBRARIES`.
+            of :data:`~substation.backends.cpu.contraction.FP32_GEMM_LIBRARIES`.
+        float32_masters: bfloat16 CPU builds that a float32 layer runs under autocast: its parameters are
+            float32 master weights. The inference build then takes the weights its GEMMs read from packed
+            copies in float32 and rounds them to bf16 as it packs them (found again by their content),
+            instead of a bf16 cast of every weight on every call (:func:`~substation.passes.epilogue.pack_parameters`);
+            other builds ignore it.
 
     Raises:
         TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm.
@@ -68,9 +74,10 @@ class PipelineOptions:
     instrument: bool = False
     mode: str = "train"
     fp32_gemm: str = "mkl"
+    float32_masters: bool = False
 
     def __post_init__(self):
-        for name in ("fuse", "attention", "instrument"):
+        for name in ("fuse", "attention", "instrument", "float32_masters"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PipelineOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
@@ -88,7 +95,7 @@ class PipelineOptions:
         layout = self.layout.to_dict() if isinstance(self.layout, LayoutPlan) else \
             (os.fspath(self.layout) if self.layout is not None else None)
         return {"fuse": self.fuse, "attention": self.attention, "layout": layout, "instrument": self.instrument,
-                "mode": self.mode, "fp32_gemm": self.fp32_gemm}
+                "mode": self.mode, "fp32_gemm": self.fp32_gemm, "float32_masters": self.float32_masters}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "PipelineOptions":
@@ -105,7 +112,7 @@ class PipelineOptions:
             layout = load_plan(layout)
         return cls(fuse=data.get("fuse", True), attention=data.get("attention", True), layout=layout,
                    instrument=data.get("instrument", False), mode=data.get("mode", "train"),
-                   fp32_gemm=data.get("fp32_gemm", "mkl"))
+                   fp32_gemm=data.get("fp32_gemm", "mkl"), float32_masters=data.get("float32_masters", False))
 
 
 @dataclasses.dataclass
@@ -175,7 +182,7 @@ def _fusion(state: PipelineState) -> None:
     if epilogue_applies(state.config):
         state.forward = fuse_epilogues(state.forward)
         if state.backward is None:
-            state.forward = pack_parameters(state.forward)
+            state.forward = pack_parameters(state.forward, state.options.float32_masters)
     for phase, graph in _graphs(state).items():
         setattr(state, phase, fuse_graph(graph))
 
@@ -215,16 +222,18 @@ def _load(state: PipelineState) -> None:
             # a float32 layout plan names the float32 graphs' tensors and was chosen for their costs: the
             # bf16 build takes its own default plan
             autocast_build = functools.partial(cached_compile, state.config.replace(dtype="bfloat16"), fuse=opts.fuse,
-                                               instrument=opts.instrument, mode=opts.mode, attention=opts.attention)
+                                               instrument=opts.instrument, mode=opts.mode, attention=opts.attention,
+                                               float32_masters=True)
         except ToolchainError as e:
             autocast_note = str(e)
     options = {"fuse": opts.fuse, "attention": opts.attention, "layout": opts.layout, "instrument": opts.instrument,
-               "fp32_gemm": opts.fp32_gemm}
+               "fp32_gemm": opts.fp32_gemm, "float32_masters": opts.float32_masters}
     state.compiled = CompiledLayer(
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
-                                          mode="eval", attention=opts.attention, fp32_gemm=opts.fp32_gemm),
+                                          mode="eval", attention=opts.attention, fp32_gemm=opts.fp32_gemm,
+                                          float32_masters=opts.float32_masters),
         autocast_build=autocast_build, autocast_note=autocast_note)
 
 
@@ -304,29 +313,30 @@ class Pipeline:
 
 
 def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None,
-                   mode: str = "train", attention: bool = True):
+                   mode: str = "train", attention: bool = True, float32_masters: bool = False):
     """The (forward, backward) :class:`~substation.ir.graph.LayerGraph` pair after the passes up to
-    ``layout`` (fusion with ``fuse_ops``; ``layout``, ``mode`` and ``attention`` as
+    ``layout`` (fusion with ``fuse_ops``; ``layout``, ``mode``, ``attention`` and ``float32_masters`` as
     :class:`PipelineOptions`; backward is None in mode ``eval``)."""
-    options = PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode, attention=attention)
+    options = PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode, attention=attention,
+                              float32_masters=float32_masters)
     state = Pipeline().run(config, options, until="layout")
     return state.forward, state.backward
 
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
                   fuse: bool = True, layout=None, mode: str = "train", attention: bool = True,
-                  fp32_gemm: str = "mkl") -> CompiledLayer:
+                  fp32_gemm: str = "mkl", float32_masters: bool = False) -> CompiledLayer:
     """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
     loaded :class:`~substation.runtime.CompiledLayer`.
 
     ``progress``, if given, is called with each pass name as it starts. ``instrument``, ``fuse``,
-    ``layout``, ``mode``, ``attention`` and ``fp32_gemm``: see :class:`PipelineOptions`.
+    ``layout``, ``mode``, ``attention``, ``fp32_gemm`` and ``float32_masters``: see :class:`PipelineOptions`.
 
     Raises:
         as :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
     """
     options = PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode, attention=attention,
-                              fp32_gemm=fp32_gemm)
+                              fp32_gemm=fp32_gemm, float32_masters=float32_masters)
     return Pipeline().run(config, options, progress=progress).compiled
 
 
@@ -336,7 +346,7 @@ _LOADED_LOCK = threading.Lock()
 
 def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
                    instrument: bool = False, mode: str = "train", attention: bool = True,
-                   fp32_gemm: str = "mkl") -> CompiledLayer:
+                   fp32_gemm: str = "mkl", float32_masters: bool = False) -> CompiledLayer:
     """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
     twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
     the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`
@@ -347,12 +357,13 @@ def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = Tru
     """
     config = load_config(config)
     key = (config, fuse, layout if layout is None or isinstance(layout, (str, os.PathLike)) else id(layout), instrument,
-           mode, attention, fp32_gemm)
+           mode, attention, fp32_gemm, float32_masters)
     with _LOADED_LOCK:
         compiled = _LOADED.get(key)
         if compiled is None:
             compiled = _LOADED[key] = compile_layer(config, fuse=fuse, layout=layout, instrument=instrument, mode=mode,
-                                                    attention=attention, fp32_gemm=fp32_gemm)
+                                                    attention=attention, fp32_gemm=fp32_gemm,
+                                                    float32_masters=float32_masters)
     return compiled
 
 

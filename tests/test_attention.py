@@ -164,8 +164,8 @@ def test_bf16_fused_attention_matches_float64_like_autocast():
     (several query blocks, a short last one, K = 300 not a multiple of the tile's 32, P = 4)."""
     config = TINY.replace(dtype="float32")
     layer = EncoderLayer(cached_compile(config)).eval()
-    fused = cached_compile(config.replace(dtype="bfloat16"), mode="eval")
-    apart = cached_compile(config.replace(dtype="bfloat16"), mode="eval", attention=False)
+    fused = cached_compile(config.replace(dtype="bfloat16"), mode="eval", float32_masters=True)  # as autocast runs it
+    apart = cached_compile(config.replace(dtype="bfloat16"), mode="eval", attention=False, float32_masters=True)
     assert "ss::attention_forward_bf16(" in fused.sources["forward"]
     assert "ss::attention_forward_bf16(" not in apart.sources["forward"]
     assert _workspace(apart, 3, 300) - _workspace(fused, 3, 300) >= 3 * config.num_heads * 300 * 300 * 4

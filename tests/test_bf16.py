@@ -237,6 +237,75 @@ def test_pure_bfloat16_layer_trains_and_runs_inference(fp32_layer):
     assert all(torch.isfinite(y_eval[1, :4]).view(-1))
 
 
+def test_packed_inference_reads_and_writes_rows_through_indices(fp32_layer):
+    """The bf16 inference library reads X only in row kernels (its cast and the residual), so a packed
+    batch's groups read their tokens and write their outputs through row indices (no gathered copy):
+    the result equals running the groups from their rows in place where they can, bit for bit, and the
+    float64 reference within bf16's error."""
+    import dataclasses
+    from substation.runtime.packing import pack_key_mask, run_packed
+    graph = fp32_layer.compiled.for_autocast().forward_only().forward
+    assert graph.row_indexed == ("X", "Y")
+    gen = torch.Generator().manual_seed(5)
+    b, j = 4, 64
+    x = torch.randn(b, j, 16, generator=gen)
+    pad = torch.zeros(b, j, dtype=torch.bool)
+    pad[2, 32:] = True
+    pad[3, 28:] = True
+    packed = pack_key_mask(~pad, graph.graph.config)
+    assert [(g.batch, g.seq, g.source_start) for g in packed.groups] == [(2, 64, 0), (2, 32, None)]
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fp32_layer.eval()(x, key_padding_mask=pad)
+    fp32_layer.train()
+    given = {n: getattr(fp32_layer, n).detach().to(graph.dtypes[n]).contiguous() for n in fp32_layer.parameter_names}
+    every_group_indexed = dataclasses.replace(packed, groups=tuple(dataclasses.replace(g, source_start=None)
+                                                                   for g in packed.groups))
+    with torch.inference_mode():
+        y_indexed = run_packed(graph, given, x.view(b * j, -1), every_group_indexed).view(b, j, -1)
+    assert torch.equal(y, y_indexed)
+    exact = reference_for(fp32_layer)(x.double(), torch.zeros(b, j, dtype=torch.float64).masked_fill(pad, float("-inf")))
+    assert _rel(y[~pad], exact.detach()[~pad]) < 3e-2 and float(y[pad].abs().max()) == 0.0
+
+
+def test_autocast_inference_packs_float32_master_weights_without_a_cast(fp32_layer):
+    """Under autocast a float32 layer's inference build takes the weights its GEMMs pack as float32 (no
+    cast per call; biases are still cast): the result equals that of the build that takes every weight
+    cast to bf16, bit for bit, at fewer and more than 256 rows; a master weight changed through
+    ``.data`` is packed anew."""
+    import functools
+    compiled = fp32_layer.compiled
+    graph = compiled.for_autocast().forward_only().forward
+    weights = ("in_proj_weight", "out_proj_weight", "linear1_weight", "linear2_weight")
+    assert all(graph.dtypes[n] == torch.float32 for n in weights)
+    assert all(graph.dtypes[n] == torch.bfloat16 for n in ("in_proj_bias", "out_proj_bias", "linear1_bias"))
+    source = compiled.for_autocast().forward_only().sources["forward"]
+    assert source.count("ss::matmul<ss::bf16_t, float>(") == 4 and source.count(", true) != 0) return 1;") == 4
+    masters = compiled.autocast_build
+    casts = functools.partial(cached_compile, compiled.config.replace(dtype="bfloat16"), float32_masters=False)
+    assert casts().forward_only().forward.dtypes["linear1_weight"] == torch.bfloat16
+    gen = torch.Generator().manual_seed(6)
+
+    def run(build, x):
+        compiled.autocast_build = build
+        try:
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+                return fp32_layer.eval()(x)
+        finally:
+            compiled.autocast_build = masters
+            fp32_layer.train()
+    for b, j in ((1, 24), (4, 80)):
+        x = torch.randn(b, j, 16, generator=gen)
+        y = run(masters, x)
+        assert torch.equal(y, run(casts, x))
+    saved = fp32_layer.linear1_weight.detach().clone()
+    try:
+        fp32_layer.linear1_weight.data.mul_(-1.5)
+        changed = run(masters, x)
+        assert torch.equal(changed, run(casts, x)) and not torch.equal(changed, y)
+    finally:
+        fp32_layer.linear1_weight.data.copy_(saved)
+
+
 def test_training_with_dropout_matches_the_float64_interpreter_on_the_same_masks():
     """The bf16 forward and backward libraries in train mode (dropout 0.1 at every site, Philox masks
     regenerated, nothing stored) against the float64 interpreter of the same graphs and seed."""
@@ -583,6 +652,11 @@ int linear(int64_t m, int64_t n, int64_t k, const ss::bf16_t* a, const ss::bf16_
   return ss::matmul<ss::bf16_t>(false, true, m, n, k, 1.0f, a, k, b, k, c, n, true, ss::GemmBatch{}, ss::GemmBias{},
                          ss::GemmActivation::none, parameter != 0);
 }
+// The same product with B given as float32 master weights, packed (rounded to bf16) from them.
+int linear_masters(int64_t m, int64_t n, int64_t k, const ss::bf16_t* a, const float* b, float* c, int parameter) {
+  return ss::matmul<ss::bf16_t, float>(false, true, m, n, k, 1.0f, a, k, b, k, c, n, true, ss::GemmBatch{},
+                                       ss::GemmBias{}, ss::GemmActivation::none, parameter != 0);
+}
 // Least-recently-used order: fill the cache with keys 0.., touch key 0, add one more: key 1 goes, key 0
 // stays; an evicted entry a caller still holds stays valid. Returns 0 when all holds.
 int lru_order() {
@@ -659,6 +733,29 @@ def test_parameters_are_read_from_packed_copies_found_by_content():
     assert digest(w.clone()) == base and digest(torch.cat([w, w], 1)[:, :k]) == base  # strided rows
 
 
+def test_float32_master_weights_are_rounded_as_they_are_packed():
+    """B given as float32 master weights of a bf16 product is packed from them (rounded to bf16 by the
+    reorder) at any number of rows: the result equals the product with B cast to bf16 first, bit for
+    bit; a copy is made once per float32 content; B that is no parameter must not be float32."""
+    import ctypes
+    lib = ctypes.CDLL(cpu_build.build_library(_PRIMITIVE_CACHE_HARNESS, "primitive_cache", with_onednn=True).path)
+    lib.packed_copies.restype = ctypes.c_long
+    ptr = ctypes.c_void_p
+    torch.manual_seed(1)
+    n, k = 72, 40
+    w = torch.randn(n, k)
+    for m in (24, 300):
+        a = torch.randn(m, k).bfloat16()
+        cast, masters = torch.empty(m, n), torch.empty(m, n)
+        assert lib.linear(m, n, k, ptr(a.data_ptr()), ptr(w.bfloat16().data_ptr()), ptr(cast.data_ptr()), 1) == 0
+        assert lib.linear_masters(m, n, k, ptr(a.data_ptr()), ptr(w.data_ptr()), ptr(masters.data_ptr()), 1) == 0
+        assert torch.equal(masters, cast)
+        copies = lib.packed_copies()
+        assert lib.linear_masters(m, n, k, ptr(a.data_ptr()), ptr(w.clone().data_ptr()), ptr(masters.data_ptr()), 1) == 0
+        assert torch.equal(masters, cast) and lib.packed_copies() == copies  # found again by content
+    assert lib.linear_masters(24, n, k, ptr(a.data_ptr()), ptr(w.data_ptr()), ptr(masters.data_ptr()), 0) == 1
+
+
 def test_inference_builds_read_parameters_from_packed_copies_and_see_every_change():
     """The bf16 inference graph marks each contraction that reads a parameter (``packed_parameter``);
     training graphs do not. A pure-bf16 layer whose weights are overwritten through ``.data`` (no
@@ -676,11 +773,16 @@ def test_inference_builds_read_parameters_from_packed_copies_and_see_every_chang
         pack_parameters(graphs["train"])
     source = cached_compile(_tiny(dtype="bfloat16", dropout=NO_DROPOUT), mode="eval").sources["forward"]
     assert source.count(") >= 256) != 0) return 1;") == 4  # QKV (one call per T), out_proj, linear1, linear2
-    # the analysis counts the digest's pass over the parameter (2 bytes per element) from 256 rows on
-    for b, j, digest in [(8, 128, True), (1, 24, False)]:
-        ops = {o.name: o for o in analyze(cfg.replace(batch_size=b, max_seq_len=j), optimized=True, mode="eval").operators}
+    assert "ss::matmul<ss::bf16_t>(" in source and "ss::matmul<ss::bf16_t, float>(" not in source
+    # the analysis counts the layer as autocast runs it: float32 master weights digested (4 bytes per
+    # element) on every call, the GEMM reading the packed bf16 copy; the bias cast before the call
+    for b, j in [(8, 128), (1, 24)]:
+        analysis = analyze(cfg.replace(batch_size=b, max_seq_len=j), optimized=True, mode="eval")
+        ops = {o.name: o for o in analysis.operators}
         i, u = cfg.hidden_size, cfg.ffn_size
-        assert ops["linear1"].bytes_read == 2 * b * j * i + 2 * i * u + 2 * u + (2 * i * u if digest else 0)
+        assert ops["linear1"].bytes_read == 2 * b * j * i + 2 * i * u + 2 * u + 4 * i * u
+        biases = 3 * i + i + u + i
+        assert (ops["master_weight_casts"].bytes_read, ops["master_weight_casts"].bytes_written) == (4 * biases, 2 * biases)
 
     layer = _randomized_fp32_layer().to(torch.bfloat16).eval()
     torch.manual_seed(4)

@@ -67,7 +67,7 @@ def test_masks_that_pack_and_masks_that_do_not():
     queries = computed_queries(real)  # the real tokens and position 0 of row 2 (left padding)
     assert torch.equal(queries ^ real, torch.tensor([[False] * j, [False] * j, [True] + [False] * (j - 1),
                                                      [False] * j]))
-    written = [r for r in destination if r != b * j]  # the rest go to the spare row R
+    written = [r for r in destination if r >= 0]  # the rest (-1) are padding slots, not written
     assert sorted(written) == torch.nonzero(queries.flatten()).flatten().tolist()  # each computed row once
     assert packed.unused.tolist() == torch.nonzero(~queries.flatten()).flatten().tolist()  # zeros there
     # every slot reads a row of its own sequence: its real tokens in order, then (left padding) its
@@ -83,7 +83,8 @@ def test_masks_that_pack_and_masks_that_do_not():
             assert rows[n:] == extra + [rows[0]] * (group.seq - n - len(extra))
             assert all(real.flatten()[r] for r in rows[:n]) and rows[:n] == sorted(rows[:n])
     # a computed row's output comes from the slot that read it
-    assert all(slots[k] == r for k, r in enumerate(destination) if r != b * j)
+    assert all(slots[k] == r for k, r in enumerate(destination) if r >= 0)
+    assert all(r == -1 or r < b * j for r in destination)
     assert torch.equal(real_tokens(mask.bfloat16()), real)  # bf16 rounds -10000 to -9984: still padding
     soft = torch.zeros(b, j, dtype=torch.float64)
     soft[0, 3] = -2.0  # a soft bias is not padding
@@ -133,34 +134,64 @@ def test_padded_batch_in_inference_runs_real_tokens_only(monkeypatch):
     assert rel(y_grad[real], want[real]) <= 1e-13
 
 
-def test_full_length_sequences_run_in_place_and_equal_the_gathered_run():
+@pytest.mark.parametrize("layer_norm,indexed", [("post", ("Y",)), ("pre", ("X", "Y"))])
+def test_full_length_sequences_run_in_place_and_equal_the_indexed_run(layer_norm, indexed):
     """A group of consecutive unpadded sequences reads its rows of the input and writes its rows of the
-    output in place (no copy in or out); the result equals running every group from gathered copies,
-    bit for bit, and the reference on the real tokens."""
+    output in place; the other groups write their rows through the library's row index (padding slots:
+    index -1, not written) and read them that way where only row kernels read X (pre-LN), else from a
+    gathered copy. The result equals running every group through the indices, bit for bit, and the
+    reference on the real tokens."""
     import dataclasses
     from substation.runtime.packing import run_packed
-    layer = make_layer(TINY).eval()
+    config = TINY.replace(layer_norm=layer_norm)
+    layer = make_layer(config).eval()
     ref = reference_for(layer).eval()
     b, j = 4, 64
     pad = torch.zeros(b, j, dtype=torch.bool)
-    pad[2:, 32:] = True  # rows 0, 1 full, rows 2, 3 half
-    packed = pack_key_mask(~pad, TINY)
+    pad[2, 32:] = True  # rows 0, 1 full; rows 2 and 3 (28 tokens) share a group of 32 slots
+    pad[3, 28:] = True
+    packed = pack_key_mask(~pad, config)
     assert [(g.batch, g.seq, g.source_start) for g in packed.groups] == [(2, 64, 0), (2, 32, None)]
+    assert packed.destination.tolist().count(-1) == 4  # row 3's padding slots
     assert packed.unused.tolist() == torch.nonzero(pad.flatten()).flatten().tolist()
     torch.manual_seed(3)
-    x = torch.randn(b, j, TINY.hidden_size, dtype=torch.float64)
+    x = torch.randn(b, j, config.hidden_size, dtype=torch.float64)
     with torch.inference_mode():
         y = layer(x, key_padding_mask=pad)
         graph = layer.compiled.forward_only().forward
+        assert graph.row_indexed == indexed
         given = {n: getattr(layer, n).detach().contiguous() for n in layer.parameter_names}
-        gathered = dataclasses.replace(packed, groups=tuple(dataclasses.replace(g, source_start=None)
-                                                            for g in packed.groups))
+        every_group_indexed = dataclasses.replace(packed, groups=tuple(dataclasses.replace(g, source_start=None)
+                                                                       for g in packed.groups))
         y_in_place = run_packed(graph, given, x.view(b * j, -1), packed).view(b, j, -1)
-        y_gathered = run_packed(graph, given, x.view(b * j, -1), gathered).view(b, j, -1)
-    assert torch.equal(y_in_place, y_gathered) and torch.equal(y, y_in_place)
+        y_indexed = run_packed(graph, given, x.view(b * j, -1), every_group_indexed).view(b, j, -1)
+    assert torch.equal(y_in_place, y_indexed) and torch.equal(y, y_in_place)
     want = ref(x, torch.zeros(b, j, dtype=torch.float64).masked_fill(pad, float("-inf"))).detach()
     assert rel(y[~pad], want[~pad]) <= 1e-13
     assert float(y[pad].abs().max()) == 0.0
+
+
+def test_row_indices_are_checked():
+    """``CompiledGraph.run_into(rows=)`` takes int64 indices of B x J entries within the argument's rows
+    (-1 for the output only), for the arguments the library indexes; the training library indexes none."""
+    layer = make_layer(TINY.replace(layer_norm="pre")).eval()
+    graph = layer.compiled.forward_only().forward
+    assert layer.compiled.forward.row_indexed == ()
+    b, j, i = 1, 4, TINY.hidden_size
+    tensors = {n: getattr(layer, n).detach().contiguous() for n in layer.parameter_names}
+    tensors.update(X=torch.randn(6, i, dtype=torch.float64), Y=torch.zeros(6, i, dtype=torch.float64),
+                   mask=torch.zeros(b, j, dtype=torch.float64))
+    good = torch.tensor([5, 0, 2, 3])
+    graph.run_into(tensors, b, j, rows={"X": good, "Y": torch.tensor([1, -1, 4, 0])})
+    assert float(tensors["Y"][[2, 3, 5]].abs().max()) == 0.0 and float(tensors["Y"][[0, 1, 4]].abs().min()) > 0
+    for rows, error, words in (({"X": good.int()}, TypeError, "int64"),
+                               ({"X": good[:3]}, ValueError, "B x J = 4"),
+                               ({"X": torch.tensor([0, 1, 2, 6])}, ValueError, r"\[0, 6\)"),
+                               ({"X": torch.tensor([0, -1, 2, 3])}, ValueError, r"\[0, 6\)"),
+                               ({"Y": torch.tensor([0, -2, 2, 3])}, ValueError, r"\[-1, 6\)"),
+                               ({"mask": good}, ValueError, "row indices for X, Y")):
+        with pytest.raises(error, match=words):
+            graph.run_into(tensors, b, j, rows=rows)
 
 
 def test_a_mask_changed_in_place_between_calls_is_seen(monkeypatch):
@@ -268,7 +299,7 @@ def test_layout_of_a_packed_batch():
     packed = pack_cu_seqlens(torch.tensor([0, 4, 5, 9]), 9, TINY)
     assert packed.rows == 9 and packed.slots >= 9
     dest = packed.destination.tolist()
-    assert sorted(r for r in dest if r != 9) == list(range(9)) and packed.unused.numel() == 0  # every row real
-    assert all(packed.gather[k] == r for k, r in enumerate(dest) if r != 9)  # written back where it was read
+    assert sorted(r for r in dest if r != -1) == list(range(9)) and packed.unused.numel() == 0  # every row real
+    assert all(packed.gather[k] == r for k, r in enumerate(dest) if r != -1)  # written back where it was read
     for group in packed.groups:
         assert group.seq == max(group.lengths) and group.start + group.batch * group.seq <= packed.slots

@@ -32,12 +32,14 @@ import dataclasses
 import re
 from typing import Callable, Iterator
 
+import sympy
+
 from ..ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
-from ..ir.operands import resolve_operand, stride_order
+from ..ir.operands import dim_symbol, resolve_operand, stride_order
 from ..ops import op_kind, op_space
 
-__all__ = ["RowKernelModel", "RowEmitter", "RowSweep", "REDUCTIONS", "build_row_kernel", "kernel_members",
-           "row_kernel_space"]
+__all__ = ["RowKernelModel", "RowEmitter", "RowSweep", "REDUCTIONS", "ROW_INDEXED_CANDIDATES", "build_row_kernel",
+           "kernel_members", "row_indexed_tensors", "row_kernel_space", "row_pitch"]
 
 #: Row reductions of an accumulator: its initial value's name and the update it takes.
 REDUCTIONS = ("sum", "max")
@@ -143,6 +145,44 @@ def build_row_kernel(graph: LayerGraph, op: Operator) -> RowKernelModel:
             columns += [(t, a) for _, (t, a) in sorted(m["outputs"].items())]
     return RowKernelModel(tuple(members), full, tuple(inner), tuple(rows), memory, tuple(loads), tuple(stores),
                           tuple(row_values), tuple(row_scalars), tuple(columns))
+
+
+#: The layer's input and output, which a forward-only library may read and write through a row index.
+ROW_INDEXED_CANDIDATES = ("X", "Y")
+
+
+def row_pitch(graph: LayerGraph, tensor: str, access: str, rows: tuple) -> object | None:
+    """The element stride of row ``(b, j)`` of ``tensor[access]`` in a row kernel whose row letters are
+    ``rows``, when the kernel's row number ``b J + j`` times that stride is the row's offset (rows
+    ``B``, ``J`` of a tensor stored B-major, then J, a dense row of the inner letters each); else None."""
+    if tuple(rows) != ("B", "J"):
+        return None
+    op = resolve_operand(graph, tensor, access)
+    pitch = op.strides.get("J")
+    if op.base != 0 or pitch is None or sympy.simplify(op.strides.get("B", 0) - pitch * dim_symbol("J")) != 0:
+        return None
+    inner = {c: s for c, s in op.strides.items() if c not in rows}
+    return pitch if sympy.simplify(sum(s * (dim_symbol(c) - 1) for c, s in inner.items()) + 1 - pitch) == 0 else None
+
+
+def row_indexed_tensors(graph: LayerGraph) -> tuple[str, ...]:
+    """Which of X and Y the library of a forward-only graph (no tensor saved for backward) reads or
+    writes through a row index, so that packed batches need no gather or scatter copy
+    (:func:`substation.runtime.packing.run_packed`): X when only row kernels read it, Y when a row
+    kernel writes it, each with rows (b, j) that are dense rows of the tensor (:func:`row_pitch`).
+    A training graph's: none."""
+    if graph.phase != "forward" or any(t.role == "saved" for t in graph.tensors.values()):
+        return ()
+    kernels = {op: build_row_kernel(graph, op) for op in graph.operators()
+               if op.kind not in ("contraction", "attention")}  # the rest are row kernels
+    out = []
+    for name in ROW_INDEXED_CANDIDATES:
+        users = [op for op in graph.operators() if name in {t for t, _ in graph.operands(op).values()}]
+        if users and all(op in kernels and name in kernels[op].memory
+                         and row_pitch(graph, name, kernels[op].memory[name], kernels[op].rows) is not None
+                         for op in users):
+            out.append(name)
+    return tuple(out)
 
 
 # -- the member API -------------------------------------------------------------------------------

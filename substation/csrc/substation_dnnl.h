@@ -115,9 +115,9 @@ constexpr int64_t kFloatChunk = 512;
 // ms with MKL, 2.07-2.32 with the chunked oneDNN calls (each chunk is one more oneDNN call).
 constexpr int64_t kFloatMinRows = 256;
 
-template <typename T>
+template <typename T, typename TB>
 inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a, int64_t lda,
-                const T* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
+                const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
                 const GemmBias& bias, GemmActivation activation, bool b_parameter, bool accumulate);
 
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
@@ -125,12 +125,22 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
 // bias's element type) is bf16_t or float; C is float32 when c_f32, else of type T. A bias (bias.data
 // set) needs alpha 1 (oneDNN scales after the bias). b_parameter (B a layer parameter, no batch
 // letters): B is read from its packed copy in packed_weight_cache(), made on the first call with that
-// content. Returns 0, or 1 with last_error() set when oneDNN refuses the call.
-template <typename T>
+// content. TB, B's element type, is T, or float with bf16_t operands: float32 master weights, rounded to
+// bf16 as they are packed (b_parameter must be set). Returns 0, or 1 with last_error() set when oneDNN
+// refuses the call.
+template <typename T, typename TB = T>
 inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
-                  int64_t lda, const T* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
+                  int64_t lda, const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
                   const GemmBias& bias = GemmBias{}, GemmActivation activation = GemmActivation::none,
                   bool b_parameter = false) {
+  if constexpr (!std::is_same<T, TB>::value) {
+    static_assert(std::is_same<T, bf16_t>::value && std::is_same<TB, float>::value,
+                  "B of another type than A: float32 master weights of a bf16 product");
+    if (!b_parameter || batch.count != 0) {
+      last_error() = "matmul: float32 master weights B are read from their packed bf16 copy (b_parameter)";
+      return 1;
+    }
+  }
   const bool plain = std::is_same<T, float>::value && batch.count == 0 && !bias.data &&
                      activation == GemmActivation::none && !b_parameter;
   if constexpr (std::is_same<T, float>::value) {
@@ -141,29 +151,30 @@ inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
     }
   }
   if (!plain || k <= kFloatChunk)
-    return matmul_once<T>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc, c_f32, batch, bias, activation,
+    return matmul_once<T, TB>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc, c_f32, batch, bias, activation,
                           b_parameter, false);
   for (int64_t k0 = 0; k0 < k; k0 += kFloatChunk)  // C = sum over chunks (oneDNN's sum post-op adds C)
-    if (matmul_once<T>(trans_a, trans_b, m, n, std::min(kFloatChunk, k - k0), alpha, a + (trans_a ? k0 * lda : k0), lda,
+    if (matmul_once<T, TB>(trans_a, trans_b, m, n, std::min(kFloatChunk, k - k0), alpha, a + (trans_a ? k0 * lda : k0), lda,
                        b + (trans_b ? k0 : k0 * ldb), ldb, c, ldc, c_f32, batch, bias, activation, false, k0 > 0) != 0)
       return 1;
   return 0;
 }
 
 // One oneDNN call of matmul(); accumulate: C += the product (oneDNN's sum post-op) instead of C =.
-template <typename T>
+template <typename T, typename TB>
 inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
-                       int64_t lda, const T* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
+                       int64_t lda, const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
                        const GemmBias& bias, GemmActivation activation, bool b_parameter, bool accumulate) {
   static_assert(std::is_same<T, bf16_t>::value || std::is_same<T, float>::value, "bf16_t or float operands");
   using dnnl::memory;
   constexpr memory::data_type dt = std::is_same<T, float>::value ? memory::data_type::f32 : memory::data_type::bf16;
+  constexpr memory::data_type b_dt = std::is_same<TB, float>::value ? memory::data_type::f32 : memory::data_type::bf16;
   try {
     static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     static thread_local dnnl::stream stream(engine);
     int32_t alpha_bits;
     std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
-    std::vector<int64_t> key = {(int64_t)dt, trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
+    std::vector<int64_t> key = {(int64_t)dt, (int64_t)b_dt, trans_a, trans_b, m, n, k, lda, ldb, ldc, c_f32, alpha_bits, batch.count};
     for (int i = 0; i < batch.count; ++i)
       key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i], bias.batch[i]});
     const bool with_bias = bias.data != nullptr;
@@ -207,7 +218,7 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
             for (size_t j = i + 1; j < biasd.size(); ++j) span = std::max(span, biass[j] * biasd[j]);
             biass[i] = span;
           }
-        const memory::desc a_md(ad, dt, as), b_md(bd, dt, bs);
+        const memory::desc a_md(ad, dt, as), b_md(bd, b_dt, bs);  // B as given; the primitive reads it in dt
         const memory::desc c_md(cd, c_f32 ? memory::data_type::f32 : dt, cs);
         dnnl::primitive_attr attr;
         attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -233,13 +244,13 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         matmul_cache().insert(key, entry);
       }
     }
-    void* b_data = const_cast<T*>(b);
+    void* b_data = const_cast<TB*>(b);
     std::shared_ptr<const dnnl::memory> packed;  // held until the call ends (the cache may evict it)
-    if (!(entry->b_packed == entry->b)) {
+    if (!(entry->b_packed == entry->b)) {  // another layout, or float32 masters: always so for those
       LruCache<memory>::Key packed_key = layout_signature(entry->b_packed);
-      packed_key.insert(packed_key.end(), {trans_b, k, n, (int64_t)content_digest(b, trans_b ? n : k,
-                                                                                   (trans_b ? k : n) * (int64_t)sizeof(T),
-                                                                                   ldb * (int64_t)sizeof(T))});
+      packed_key.insert(packed_key.end(), {(int64_t)b_dt, trans_b, k, n,
+                                           (int64_t)content_digest(b, trans_b ? n : k, (trans_b ? k : n) * (int64_t)sizeof(TB),
+                                                                   ldb * (int64_t)sizeof(TB))});
       {
         std::lock_guard<std::mutex> guard(matmul_lock());
         packed = packed_weight_cache().find(packed_key);

@@ -255,10 +255,10 @@ class GraphBuilder:
         return name
 
     def copy_tensor(self, info: TensorInfo, role: str | None = None, layout: str | None = None,
-                    name: str | None = None) -> str:
-        """Declare a tensor like ``info`` (its dims and dtype), with ``role``, ``layout`` and ``name``
-        where given; returns its name."""
-        return self.tensor(name or info.name, info.dims, role or info.role, layout or info.layout, info.dtype)
+                    name: str | None = None, dtype: str | None = None) -> str:
+        """Declare a tensor like ``info`` (its dims and dtype), with ``role``, ``layout``, ``name`` and
+        ``dtype`` where given; returns its name."""
+        return self.tensor(name or info.name, info.dims, role or info.role, layout or info.layout, dtype or info.dtype)
 
     def _node(self, name: str) -> dace.nodes.AccessNode:
         if name not in self._nodes:

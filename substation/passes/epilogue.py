@@ -17,6 +17,10 @@ attribute (:func:`pack_parameters`): the GEMM then reads the parameter from a co
 layout, made once per distinct content (substation_packed.h), instead of oneDNN packing the plain
 matrix itself on every call; each call reads the parameter once more for the digest of its content, so
 only GEMMs of at least :data:`~substation.backends.cpu.contraction.PACKED_PARAMETER_ROWS` rows do it.
+Under autocast the parameters are float32 master weights (``float32_masters``): those a GEMM reads from
+a packed copy then stay float32 in the graph, and are rounded to bf16 as they are packed (one reorder
+per content, found again by the digest of the float32 bytes), at every size: the digest reads 4 bytes
+per weight where a cast before each call read 4 and wrote 2 and the GEMM read those 2 again.
 Training builds do not: their parameters change every step. (float32 builds do not either: MKL's
 ``cblas_sgemm_pack`` saved 50-110 us per MiniLM GEMM with one layer's weights in cache, but in a whole
 model at 1 x 24 tokens the digest's second pass over weights that no longer fit in cache made it 20%
@@ -117,10 +121,11 @@ def _absorb(graph: LayerGraph, pairs: dict[str, str]) -> LayerGraph:
     return b.finish()
 
 
-def pack_parameters(graph: LayerGraph) -> LayerGraph:
+def pack_parameters(graph: LayerGraph, float32_masters: bool = False) -> LayerGraph:
     """``graph`` (a forward-only graph) with each contraction that reads a parameter marked
     ``packed_parameter`` = that parameter's name (see the module docstring); ``graph`` itself when
-    none does.
+    none does. With ``float32_masters`` those parameters are float32 (master weights, rounded to bf16
+    as they are packed).
 
     Raises:
         ValueError: ``graph`` saves tensors for backward (a training forward: its parameters change
@@ -138,8 +143,9 @@ def pack_parameters(graph: LayerGraph) -> LayerGraph:
     if not marks:
         return graph
     b = GraphBuilder(graph.sdfg.name, graph.config, graph.phase)
+    packed = set(marks.values())
     for info in graph.tensors.values():
-        b.copy_tensor(info)
+        b.copy_tensor(info, dtype="float32" if float32_masters and info.name in packed else None)
     for op in graph.operators():
         attrs = dict(op.attrs, **({"packed_parameter": marks[op.label]} if op.label in marks else {}))
         b.op(op.label, op.kind, op.op_class, {c: f"{t}[{a}]" for c, (t, a) in graph.inputs_of(op).items()},

@@ -203,22 +203,27 @@ def operator_count(graph: LayerGraph, op: Operator, sizes: Mapping[str, int] | N
     attrs = op.attrs
     num, sym = _sizer(sizes), _sizer(None)
 
-    def nbytes(operands, sizer):
-        return sum((item[t] * access_elements(a, sizer) for t, a in operands.values()), sympy.Integer(0))
+    # a float32 master weight of a bf16 GEMM is read from its packed bf16 copy (and digested in float32)
+    packed = attrs.get("packed_parameter") if op.kind == "contraction" else None
+    read_item = dict(item, **({packed: ITEMSIZES[cfg.dtype]} if packed is not None else {}))
+
+    def nbytes(operands, sizer, sizes_of=item):
+        return sum((sizes_of[t] * access_elements(a, sizer) for t, a in operands.values()), sympy.Integer(0))
     members = tuple(m.get("name", "?") for m in attrs.get("ops", ())) if op.kind == "fused" else ()
     digest_sym, digest = _parameter_digest(graph, op, item, sizes)
     return OperatorCount(
         name=op.label, phase=graph.phase, op_class=op.op_class, kind=op.kind,
         flop_expr=sympy.expand(kind_flop(op.kind, attrs, ins, outs, sym)),
-        read_expr=sympy.expand(nbytes(ins, sym)) + digest_sym, written_expr=sympy.expand(nbytes(outs, sym)),
+        read_expr=sympy.expand(nbytes(ins, sym, read_item)) + digest_sym, written_expr=sympy.expand(nbytes(outs, sym)),
         flop=int(kind_flop(op.kind, attrs, ins, outs, num)),
-        bytes_read=int(nbytes(ins, num)) + digest, bytes_written=int(nbytes(outs, num)),
+        bytes_read=int(nbytes(ins, num, read_item)) + digest, bytes_written=int(nbytes(outs, num)),
         members=members)
 
 
 def _parameter_digest(graph: LayerGraph, op: Operator, item: dict, sizes: Mapping[str, int]):
     """(symbolic, numeric) bytes a ``packed_parameter`` contraction reads for the digest of its
-    parameter (one more pass over it, at B x J >= PACKED_PARAMETER_ROWS rows); (0, 0) otherwise."""
+    parameter (one more pass over it, at B x J >= PACKED_PARAMETER_ROWS rows, or always for float32
+    master weights of a bf16 graph); (0, 0) otherwise."""
     name = op.attrs.get("packed_parameter")
     if op.kind != "contraction" or name is None:
         return sympy.Integer(0), 0
@@ -229,6 +234,8 @@ def _parameter_digest(graph: LayerGraph, op: Operator, item: dict, sizes: Mappin
     def count(sizer):
         return access_elements(rows, sizer), item[name] * access_elements(access, sizer)
     (rows_sym, bytes_sym), (rows_num, bytes_num) = count(_sizer(None)), count(_sizer(sizes))
+    if graph.config.dtype == "bfloat16" and item[name] == ITEMSIZES["float32"]:  # masters: digested every call
+        return bytes_sym, int(bytes_num)
     return (sympy.Piecewise((bytes_sym, sympy.Ge(rows_sym, PACKED_PARAMETER_ROWS)), (0, True)),
             int(bytes_num) if rows_num >= PACKED_PARAMETER_ROWS else 0)
 
@@ -241,7 +248,8 @@ def count_graph(graph: LayerGraph, sizes: Mapping[str, int] | None = None) -> li
 def master_weight_casts(forward: LayerGraph, sizes: Mapping[str, int] | None = None) -> OperatorCount | None:
     """The cast of the float32 master weights to the bfloat16 parameters a build of ``forward`` reads,
     once per call under autocast (``runtime.custom_ops``): read 4 and write 2 bytes per element of every
-    parameter the build keeps in bfloat16; None for builds without one (float32, float64, CUDA)."""
+    parameter the build keeps in bfloat16 (an inference build with ``float32_masters`` packs its weights
+    from float32 and casts only the rest); None for builds without one (float32, float64, CUDA)."""
     dtypes = graph_tensor_dtypes(forward)
     low = [t for n, t in forward.tensors.items() if t.role == "param" and ITEMSIZES[dtypes[n]] < 4]
     if forward.config.target != "cpu" or not low:
@@ -266,8 +274,9 @@ def _counts(graphs, sizes) -> list[OperatorCount]:
 # -- graphs --------------------------------------------------------------------------------------
 def optimized_graphs(config: EncoderConfig, mode: str = "train"):
     """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's
-    layouts; backward None in mode ``eval``."""
-    return compile_graphs(load_config(config), fuse_ops=True, mode=mode)
+    layouts; backward None in mode ``eval``. A bfloat16 build is counted as autocast runs it, on float32
+    master weights (``float32_masters``: :func:`master_weight_casts` counts what is still cast per call)."""
+    return compile_graphs(load_config(config), fuse_ops=True, mode=mode, float32_masters=True)
 
 
 # -- analysis ------------------------------------------------------------------------------------
@@ -450,9 +459,10 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     (:func:`copy_bandwidth`'s copy with buffers of ``copy_bytes``, default 4x the last-level cache) in
     the same run: four copies timed after each timed step, the median over all of them, so the copy
     sees the same machine state as the kernels (the memory bandwidth of a shared machine drifts by
-    tens of percent within seconds). A bfloat16 build is measured as a pure-bf16 layer; the cast of
-    float32 master weights it does under autocast (:func:`master_weight_casts`) is timed after each
-    step on float32 copies of its parameters.
+    tens of percent within seconds). A bfloat16 build is measured as autocast runs it
+    (``float32_masters``: an inference build takes the weights it packs in float32) with bf16 parameters
+    otherwise; the cast of float32 master weights it does under autocast (:func:`master_weight_casts`) is
+    timed after each step on float32 copies of those parameters.
 
     Returns:
         a :class:`Measurement` (seconds per call are medians over the repeats).
@@ -468,7 +478,7 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     config = load_config(config)
     if compiled is None:
-        compiled = compile_layer(config, instrument=True, fuse=optimized, mode=mode)
+        compiled = compile_layer(config, instrument=True, fuse=optimized, mode=mode, float32_masters=True)
     libs = {"forward": compiled.forward}
     if mode == "train":
         libs["backward"] = compiled.backward

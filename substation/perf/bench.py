@@ -37,7 +37,7 @@ from typing import Callable
 
 from ..config import load_config
 from ..layer import EncoderLayer
-from ..backends.cpu.codegen import float32_gemm_library
+from ..backends.cpu.contraction import float32_gemm_library
 from ..pipeline import MODES, compile_layer
 from .analysis import analyze, measure, operator_count
 from .baselines import eager_baseline, padding_mask, real_token_error

@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 
 from ..interop import optimize
-from ..backends.cpu.codegen import check_fp32_gemm, float32_gemm_library
+from ..backends.cpu.contraction import check_fp32_gemm, float32_gemm_library
 from .baselines import padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
 from .probes import machine_info

@@ -12,7 +12,7 @@ import statistics
 import time
 
 from ..backends.cpu.build import build_library
-from ..backends.cpu.codegen import check_fp32_gemm
+from ..backends.cpu.contraction import check_fp32_gemm
 from ..resources import csrc_file
 
 __all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "machine_info"]

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..backends.cpu.codegen import tensor_dtypes as cpu_tensor_dtypes
+from ..backends.rowkernel import ROW_INDEXED_CANDIDATES
 from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
 from ..config import EncoderConfig
 from ..ir.graph import LayerGraph, TensorInfo, parameters, size_symbol
@@ -118,6 +119,15 @@ class CompiledGraph:
         self._run.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p,
                               ctypes.c_uint64, ctypes.c_int32] + ([ctypes.c_void_p] if self._stream_arg else [])
         self._run.restype = ctypes.c_int
+        #: Arguments this library reads or writes through a row index (``run_into(..., rows=)``): X, Y, both
+        #: or neither (forward-only CPU libraries; :func:`~substation.backends.rowkernel.row_indexed_tensors`).
+        self.row_indexed: tuple[str, ...] = ()
+        if hasattr(self.lib, "substation_run_rows"):
+            self.lib.substation_row_indexed.restype = ctypes.c_char_p
+            self.row_indexed = tuple(n for n in self.lib.substation_row_indexed().decode().split(",") if n)
+            self._run_rows = self.lib.substation_run_rows
+            self._run_rows.argtypes = self._run.argtypes + [ctypes.c_void_p] * len(ROW_INDEXED_CANDIDATES)
+            self._run_rows.restype = ctypes.c_int
         self._ws = self.lib.substation_workspace_bytes
         self._ws.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         self._ws.restype = ctypes.c_int64
@@ -168,6 +178,24 @@ class CompiledGraph:
                                 if t.name in self.split else "it takes one tensor"))
         return [(v, numel // self._stack) for v in value]
 
+    def _rows_numel(self, t: TensorInfo, value: torch.Tensor, numel: int, index: torch.Tensor, positions: int) -> int:
+        """The element count argument ``t`` (``value``, read or written through the row ``index``) must
+        have: R whole rows of the ``numel / positions`` elements one position takes; checks ``index``."""
+        per_row = numel // max(positions, 1)
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
+            raise TypeError(f"the row index of {t.name} must be an int64 tensor, got "
+                            f"{index.dtype if isinstance(index, torch.Tensor) else type(index).__name__}")
+        if index.numel() != positions or not index.is_contiguous():
+            raise ValueError(f"the row index of {t.name} must be contiguous with B x J = {positions} entries, got "
+                             f"shape {tuple(index.shape)}")
+        count = value.numel() // per_row
+        lo, hi = torch.aminmax(index) if positions else (torch.tensor(0), torch.tensor(-1))
+        lowest = -1 if t.role == "output" else 0
+        if int(lo) < lowest or int(hi) >= count:
+            raise ValueError(f"the row index of {t.name} must lie in [{lowest}, {count}) (its rows), got "
+                             f"[{int(lo)}, {int(hi)}]")
+        return count * per_row
+
     def _part_pointers(self, pieces: list) -> list[int]:
         """Addresses of the T parts of a split argument given stacked or in parts."""
         if len(pieces) > 1:
@@ -198,24 +226,36 @@ class CompiledGraph:
         return produced
 
     def run_into(self, tensors: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
-                 training: bool = False) -> None:
+                 training: bool = False, rows: dict[str, torch.Tensor] | None = None) -> None:
         """Run the graph on caller-owned tensors: ``tensors`` maps every argument name (inputs,
         parameters, saved tensors and the outputs it writes) to a contiguous tensor of :attr:`dtypes`
         and the graph's shape at ``batch`` x ``seq`` (a parameter of :attr:`split`: that, or a tuple of
         its T parts, each contiguous); nothing is allocated besides the workspace (reused on the CPU).
         Benchmarks and the tuner time this call.
 
+        ``rows`` (arguments in :attr:`row_indexed` only): name -> int64 [B x J], the row of that
+        argument, an [R, I] tensor of any R, that position (b, j) reads or writes (at index b J + j):
+        a gather and a scatter without copies (packed batches). An output's index may be -1: that
+        position's row is not written.
+
         Raises:
             KeyError: an argument is missing. TypeError: an argument of another dtype than
-            :attr:`dtypes` says. ValueError: an argument of another size (element count), or not
-            contiguous; parts for an argument not in :attr:`split`, or not T of them.
-            RuntimeError: the library failed."""
+            :attr:`dtypes` says; a row index that is not int64. ValueError: an argument of another size
+            (element count), or not contiguous; parts for an argument not in :attr:`split`, or not T of
+            them; a row index for an argument not in :attr:`row_indexed`, of another size than B x J,
+            or out of range. RuntimeError: the library failed."""
         numels = self._numels.get((batch, seq))
         if numels is None:
             if len(self._numels) >= 1024:  # one entry per (B, J) seen: bounded
                 self._numels.clear()
             sizes = self.graph.config.sizes(batch, seq)
             numels = self._numels[batch, seq] = [math.prod(t.shape(sizes)) for t in self.args]
+        rows = rows or {}
+        if not set(rows) <= set(self.row_indexed):
+            raise ValueError(f"{self.graph.phase} library takes row indices for "
+                             f"{', '.join(self.row_indexed) or 'no argument'}, got them for {', '.join(sorted(rows))}")
+        numels = [self._rows_numel(t, tensors[t.name], n, rows[t.name], batch * seq) if t.name in rows else n
+                  for t, n in zip(self.args, numels)]
         pieces = [self._pieces(t, tensors[t.name], n) for t, n in zip(self.args, numels)]
         wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} is {v.dtype}, not {self.dtypes[t.name]}"
                  for t, ps in zip(self.args, pieces) for k, (v, _) in enumerate(ps) if v.dtype != self.dtypes[t.name]]
@@ -235,6 +275,9 @@ class CompiledGraph:
                                                     else ps[0][0].data_ptr() for t, ps in zip(self.args, pieces)))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
         need = self._ws(dims)
+        run, extra = self._run, self._stream_arg
+        if self.row_indexed:
+            run, extra = self._run_rows, tuple(rows[n].data_ptr() if n in rows else None for n in ROW_INDEXED_CANDIDATES)
         if self.device_type == "cuda":
             # A fresh workspace from PyTorch's caching allocator: stream-ordered, safe across streams.
             with torch.cuda.device(device):
@@ -245,13 +288,12 @@ class CompiledGraph:
             try:
                 if self._workspace is None or self._workspace.numel() < need:
                     self._workspace = torch.empty(need, dtype=torch.uint8)
-                rc = self._run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training),
-                               *self._stream_arg)
+                rc = run(ptrs, dims, self._workspace.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), *extra)
             finally:
                 self._workspace_lock.release()
         else:
             ws = torch.empty(need, dtype=torch.uint8)
-            rc = self._run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), *self._stream_arg)
+            rc = run(ptrs, dims, ws.data_ptr(), seed & 0xFFFFFFFFFFFFFFFF, int(training), *extra)
         if rc != 0:
             detail = ""
             if hasattr(self.lib, "substation_last_error"):

@@ -131,8 +131,7 @@ class PackedBatch:
         groups: the calls, in slot order.
         gather: int64 [S], the source row of every slot (a padding slot reads its sequence's first
             token; its key is masked and its output dropped).
-        destination: int64 [S], the result row every slot's output goes to; R for a padding slot (the
-            result carries one spare row after the R rows for them).
+        destination: int64 [S], the result row every slot's output goes to; -1 for a padding slot.
         unused: int64 [R - computed], the result rows no slot writes (rows that are no real token):
             their output is zeros.
     """
@@ -192,7 +191,7 @@ def _packed_batch(rows: int, sequences: list[torch.Tensor], groups: list[list[in
         start += len(members) * seq
     empty = torch.zeros(0, dtype=torch.int64)
     cat = (lambda ts: torch.cat(ts) if ts else empty)
-    destination = torch.full((start,), rows, dtype=torch.int64)  # padding slots: the spare row R
+    destination = torch.full((start,), -1, dtype=torch.int64)  # padding slots: not written
     destination[cat(real_slots)] = cat(real_rows)
     written = torch.zeros(rows, dtype=torch.bool)
     written[cat(real_rows)] = True
@@ -295,9 +294,13 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
 
 def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     """Run a forward-only library group by group on packed tokens (no autograd; inside the operator).
+    A group whose slots are not rows in place reads X and writes Y through row indices
+    (:attr:`~substation.runtime.CompiledGraph.row_indexed`): its output goes straight to its rows, and
+    its input too where the library reads X that way (else the group's rows are gathered first).
 
     Args:
-        graph: the forward-only :class:`~substation.runtime.CompiledGraph` (writes Y alone).
+        graph: the forward-only :class:`~substation.runtime.CompiledGraph` (writes Y alone, through a
+            row index).
         given: its parameters (and nothing else) by name, of the graph's dtypes.
         x_rows: [R, I] source rows, the graph's X dtype, contiguous.
         packed: the :class:`PackedBatch` over those R rows.
@@ -307,24 +310,31 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
         :func:`computed_queries`); zeros on the other rows.
 
     Raises:
-        RuntimeError: the library failed.
+        RuntimeError: the library failed, or it does not write Y through a row index.
     """
+    if "Y" not in graph.row_indexed:
+        raise RuntimeError(f"{graph.path}: a forward-only library that runs packed batches writes Y through a "
+                           f"row index (it indexes {', '.join(graph.row_indexed) or 'nothing'})")
     hidden = x_rows.shape[1]
-    out = torch.empty(packed.rows + 1, hidden, dtype=graph.dtypes["Y"])  # + the spare row of padding slots
+    out = torch.empty(packed.rows, hidden, dtype=graph.dtypes["Y"])
     has_mask = "mask" in graph.dtypes
     for g in packed.groups:
         n = g.batch * g.seq
+        rows = {}
         if g.source_start is not None:  # its rows in place: no copy in or out
-            rows = slice(g.source_start, g.source_start + n)
-            x, y = x_rows[rows], out[rows]
+            at = slice(g.source_start, g.source_start + n)
+            x, y = x_rows[at].view(g.batch, g.seq, hidden), out[at].view(g.batch, g.seq, hidden)
         else:
-            x, y = x_rows.index_select(0, packed.gather[g.start:g.start + n]), torch.empty(n, hidden, dtype=out.dtype)
-        tensors = {**given, "X": x.view(g.batch, g.seq, hidden), "Y": y.view(g.batch, g.seq, hidden)}
+            slots = slice(g.start, g.start + n)
+            rows["Y"], y = packed.destination[slots], out
+            if "X" in graph.row_indexed:
+                rows["X"], x = packed.gather[slots], x_rows
+            else:
+                x = x_rows.index_select(0, packed.gather[slots]).view(g.batch, g.seq, hidden)
+        tensors = {**given, "X": x, "Y": y}
         if has_mask:
             dtype = graph.dtypes["mask"]
             tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
-        graph.run_into(tensors, g.batch, g.seq)
-        if g.source_start is None:
-            out.index_copy_(0, packed.destination[g.start:g.start + n], y)
+        graph.run_into(tensors, g.batch, g.seq, rows=rows)
     out.index_fill_(0, packed.unused, 0)
-    return out[:packed.rows]
+    return out

@@ -15,17 +15,28 @@ The generated library exports::
 
 ``args`` holds one pointer per non-temporary tensor in :attr:`LayerGraph.tensors` order; for a
 parameter taken in parts (:func:`~substation.ir.operands.split_stack_params`: the Q, K, V weights of
-a forward-only library) it points to an array of T pointers, one per part. Contractions and the
+a forward-only library) it points to an array of T pointers, one per part.
+
+A forward-only library whose X or Y only row kernels touch
+(:func:`~substation.backends.rowkernel.row_indexed_tensors`) also exports::
+
+    int     substation_run_rows(void* const* args, const int64_t* sizes, void* workspace, uint64_t seed,
+                                int32_t training, const int64_t* X_rows, const int64_t* Y_rows);
+    const char* substation_row_indexed();                               // "X,Y", "Y", ...
+
+where row (b, j) of X and Y is row ``X_rows[b J + j]`` / ``Y_rows[b J + j]`` of the argument (null:
+b J + j; a Y index of -1: not written), so a packed batch needs no gather or scatter copy;
+``substation_run`` is that call with null indices. Contractions and the
 fused attention kernel are emitted by :mod:`substation.backends.cpu.contraction`.
 """
 from __future__ import annotations
 
 from ...config import ITEMSIZES
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
-from ...ir.operands import Operand, dim_size, linear_index, resolve_operand, split_stack_params
+from ...ir.operands import Operand, c_expr, dim_size, linear_index, resolve_operand, split_stack_params
 from ..common import stat_tensors, workspace_slots
-from ..rowkernel import RowEmitter, RowKernelModel, build_row_kernel
-from .contraction import emit_attention, emit_contraction
+from ..rowkernel import ROW_INDEXED_CANDIDATES, RowEmitter, RowKernelModel, build_row_kernel, row_indexed_tensors, row_pitch
+from .contraction import check_fp32_gemm, emit_attention, emit_contraction, links_onednn
 
 __all__ = ["generate_cpu", "tensor_dtypes"]
 
@@ -33,33 +44,6 @@ __all__ = ["generate_cpu", "tensor_dtypes"]
 _CTYPES = {"float32": "float", "float64": "double", "bfloat16": "ss::bf16_t"}
 #: Config dtype -> C++ type of the arithmetic (bfloat16 builds compute and accumulate in float).
 _COMPUTE = {"float32": "float", "float64": "double", "bfloat16": "float"}
-
-
-#: Libraries of float32 builds' token-wise contractions (``generate_cpu(fp32_gemm=...)``).
-FP32_GEMM_LIBRARIES = ("mkl", "onednn")
-
-
-def check_fp32_gemm(fp32_gemm) -> None:
-    """Refuse a ``fp32_gemm`` that is not one of :data:`FP32_GEMM_LIBRARIES` (any value: a list too).
-
-    Raises:
-        ValueError: names the value and the libraries.
-    """
-    if fp32_gemm not in FP32_GEMM_LIBRARIES:
-        raise ValueError(f"fp32_gemm (the library of float32 builds' token-wise GEMMs) must be one of "
-                         f"{', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
-
-
-def float32_gemm_library(dtype: str, fp32_gemm: str) -> str | None:
-    """The library of a ``dtype`` build's token-wise GEMMs as results record it: ``fp32_gemm`` for a
-    float32 build, None for the other dtypes (which ignore the option)."""
-    return fp32_gemm if dtype == "float32" else None
-
-
-def links_onednn(dtype: str, fp32_gemm: str) -> bool:
-    """Whether the CPU build of a ``dtype`` graph calls oneDNN: every bfloat16 build, and float32 builds
-    with ``fp32_gemm`` ``"onednn"``."""
-    return dtype == "bfloat16" or (dtype == "float32" and fp32_gemm == "onednn")
 
 
 # -- the emitter -----------------------------------------------------------------------------------
@@ -72,6 +56,7 @@ class _Emitter:
         self.dtypes = tensor_dtypes(graph)
         self.blas = "cblas_sgemm" if self.cfg.dtype == "float32" else "cblas_dgemm"
         self.split = frozenset(split_stack_params(graph))  # parameters given as per-T pointer tables
+        self.row_indexed = row_indexed_tensors(graph)  # read / written through X_rows / Y_rows
         self.lines: list[str] = []
         self.indent = 1
 
@@ -166,6 +151,10 @@ class _RowKernel(RowEmitter):
         # float layers sum columns over blocks of rows in float (small, cache-resident), then in double.
         self.blocked = bool(model.column_outputs) and self.T == "float"
         self.acc = {t: f"blk_{t}" if self.blocked else f"acc_{t}" for t, _ in model.column_outputs}
+        # tensors whose row (b, j) is row <t>_rows[b J + j] of the argument: the kernel reads them through
+        # <t>_row_, a pointer to that row (a per-thread scratch row where a stored tensor's index is -1)
+        self.pitch = {t: c_expr(row_pitch(self.graph, t, a, self.R)) for t, a in model.memory.items()
+                      if t in em.row_indexed}
 
     # writing --------------------------------------------------------------------------------------
     def w(self, line: str = "") -> None:
@@ -296,11 +285,18 @@ class _RowKernel(RowEmitter):
     def _member_end(self) -> None:
         self.ready.update(t for t, _ in self.member["outputs"].values())
 
+    def _element(self, t: str, a: str) -> str:
+        """The element of memory tensor ``t`` (access ``a``) at the current loop indices."""
+        op = resolve_operand(self.graph, t, a)
+        if t in self.pitch:
+            return f"{t}_row_[{op.offset(self.N)}]"
+        return f"{t}[{op.offset()}]"
+
     def _load(self, sweep, conn: str, t: str, a: str) -> str:
         if t in self.buffers and t in self.ready:
             value = f"buf_{t}[n_]"
         elif t in self.model.memory:
-            value = self.em.loaded(t, f"{t}[{resolve_operand(self.graph, t, a).offset()}]")
+            value = self.em.loaded(t, self._element(t, a))
         else:
             raise AssertionError(f"tensor {t} is neither in memory nor produced earlier in the kernel")
         return sweep.let(f"v_{conn}", value)
@@ -312,7 +308,7 @@ class _RowKernel(RowEmitter):
         if t in self.buffers:
             sweep.stmt(f"buf_{t}[n_] = v_;")
         if t in self.model.memory:
-            sweep.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {self.em.stored(t, 'v_')};")
+            sweep.stmt(f"{self._element(t, a)} = {self.em.stored(t, 'v_')};")
 
     def _end_sweep(self, sweep) -> None:
         ops: dict[str, list[str]] = {}
@@ -323,10 +319,10 @@ class _RowKernel(RowEmitter):
             self.flush()
 
     def _row_read(self, t: str, a: str, ctype: str) -> str:
-        return self.cast(self.em.loaded(t, f"{t}[{resolve_operand(self.graph, t, a).offset()}]"), ctype)
+        return self.cast(self.em.loaded(t, self._element(t, a)), ctype)
 
     def _store_row(self, t: str, a: str, value: str) -> None:
-        self.stmt(f"{t}[{resolve_operand(self.graph, t, a).offset()}] = {self.em.stored(t, value)};")
+        self.stmt(f"{self._element(t, a)} = {self.em.stored(t, value)};")
 
     def _column(self, t: str) -> str:
         return f"{self.acc[t]}[n_]"
@@ -370,7 +366,9 @@ class _RowKernel(RowEmitter):
         if t not in self.model.memory or _CTYPES[self.em.dtypes[t]] != self.T:
             return None
         op = resolve_operand(self.graph, t, a)
-        return f"&{t}[{op.offset(self.R)}]" if op.strides.get(self.N[0]) == 1 else None
+        if op.strides.get(self.N[0]) != 1:
+            return None
+        return f"&{t}_row_[0]" if t in self.pitch else f"&{t}[{op.offset(self.R)}]"
 
     def _row_indices(self, row: str, prefix: str, rem: str) -> None:
         """Declare ``<prefix>_<c>``, the index along each row letter c of the row number ``row`` (``rem``:
@@ -403,8 +401,15 @@ class _RowKernel(RowEmitter):
         size = dim_size(n)
         for t, op in full:  # points a page apart from the row's first element to its last: one in each page
             step = PAGE_BYTES // ITEMSIZES[self.em.dtypes[t]]
-            at = op.offset(index=lambda c: f"std::min<int64_t>(q_, {size} - 1)" if c == n else f"p_{c}")
-            self.w(f"if ({size} >= {step}) for (int64_t q_ = 0; q_ < {size} + {step - 1}; q_ += {step}) "
+            column = (lambda c: f"std::min<int64_t>(q_, {size} - 1)")
+            if t in self.pitch:  # the row its index names, if any
+                at = f"p{t}_ * ({self.pitch[t]}) + {op.offset(self.N, index=column)}"
+                self.w(f"const int64_t p{t}_ = {t}_rows ? {t}_rows[row_ + {PREFETCH_ROWS}] : row_ + {PREFETCH_ROWS};")
+                guard = f"p{t}_ >= 0 && {size} >= {step}"
+            else:
+                at = op.offset(index=lambda c: column(c) if c == n else f"p_{c}")
+                guard = f"{size} >= {step}"
+            self.w(f"if ({guard}) for (int64_t q_ = 0; q_ < {size} + {step - 1}; q_ += {step}) "
                    f"__builtin_prefetch(&{t}[{at}], {int(t in written)}, 3);")
         self.em.indent -= 1
         self.w("}")
@@ -438,6 +443,9 @@ class _RowKernel(RowEmitter):
             self.w(f"std::vector<{T}> bufs_((size_t){len(self.buffers)} * nn_);")
             for k, t in enumerate(self.buffers):
                 self.w(f"{T}* __restrict__ buf_{t} = bufs_.data() + (size_t){k} * nn_;")
+        for t in self.pitch:
+            if t in self.model.stores:  # the row of a slot whose index is -1 (a padding slot): not kept
+                self.w(f"std::vector<{_CTYPES[self.em.dtypes[t]]}> {t}_scratch_((size_t)({self.pitch[t]}));")
         if self.blocked:
             self.w(f"std::vector<float> blk_((size_t){ncol} * nn_, 0.0f);")
         for q, (t, _) in enumerate(columns):
@@ -449,6 +457,12 @@ class _RowKernel(RowEmitter):
         self.em.indent += 1
         if self.R:
             self._row_indices("row_", "i", "rem_")
+            for t, pitch in self.pitch.items():
+                ctype = _CTYPES[self.em.dtypes[t]]
+                self.w(f"const int64_t r{t}_ = {t}_rows ? {t}_rows[row_] : row_;")
+                row = f"{t} + r{t}_ * ({pitch})"
+                self.w(f"{ctype}* __restrict__ {t}_row_ = "
+                       + (f"r{t}_ >= 0 ? {row} : {t}_scratch_.data();" if t in self.model.stores else f"{row};"))
             self._prefetch_rows_ahead()
         self._render_row(items)
         self.em.indent = outer + 2
@@ -559,8 +573,9 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
         "  return total;",
         "}",
         "",
-        'extern "C" int substation_run(void* const* args, const int64_t* sizes, void* workspace,',
-        "                              uint64_t seed, int32_t training) {",
+        *(_row_indexed_abi(em.row_indexed) if em.row_indexed else [
+            'extern "C" int substation_run(void* const* args, const int64_t* sizes, void* workspace,',
+            "                              uint64_t seed, int32_t training) {"]),
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)seed; (void)training;",
         *(f"  {ctype[t.name]}* const* {t.name}_parts_ = static_cast<{ctype[t.name]}* const*>(args[{i}]);"
@@ -578,4 +593,24 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
         src.append(f"  ws_ += ss::align_up((int64_t)sizeof({ctype[slot[0]]}) * {_numel(graph.tensors[slot[0]].dims)});")
     src += em.lines
     src += ["  return 0;", "}", ""]
+    if em.row_indexed:
+        src += ['extern "C" int substation_run(void* const* args, const int64_t* sizes, void* workspace,',
+                "                              uint64_t seed, int32_t training) {",
+                "  return substation_run_rows(args, sizes, workspace, seed, training, "
+                + ", ".join("nullptr" for _ in ROW_INDEXED_CANDIDATES) + ");", "}", ""]
     return "\n".join(src)
+
+
+def _row_indexed_abi(indexed: tuple[str, ...]) -> list[str]:
+    """The head of ``substation_run_rows`` (the body of a forward-only library whose X or Y rows are
+    indexed) and ``substation_row_indexed``."""
+    rows = [f"const int64_t* __restrict__ {t}_rows" for t in ROW_INDEXED_CANDIDATES]
+    return [
+        'extern "C" const char* substation_row_indexed() {',
+        f'  return "{",".join(indexed)}";',
+        "}",
+        "",
+        'extern "C" int substation_run_rows(void* const* args, const int64_t* sizes, void* workspace,',
+        f"                                   uint64_t seed, int32_t training, {', '.join(rows)}) {{",
+        *(f"  (void){t}_rows;" for t in ROW_INDEXED_CANDIDATES if t not in indexed),
+    ]

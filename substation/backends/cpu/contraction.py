@@ -11,7 +11,35 @@ from __future__ import annotations
 from ...ir.operands import STACK_LETTER, BiasPlan, LayoutError, Operand, c_expr, dim_size, plan_bias, plan_contraction
 from ...ops.contraction import EPILOGUE_BIAS, factors
 
-__all__ = ["PACKED_PARAMETER_ROWS", "emit_attention", "emit_contraction", "operand_pointer"]
+__all__ = ["FP32_GEMM_LIBRARIES", "PACKED_PARAMETER_ROWS", "check_fp32_gemm", "emit_attention", "emit_contraction",
+           "float32_gemm_library", "links_onednn", "operand_pointer"]
+
+#: Libraries of float32 builds' token-wise contractions (:func:`~substation.backends.cpu.codegen.generate_cpu`'s ``fp32_gemm``).
+FP32_GEMM_LIBRARIES = ("mkl", "onednn")
+
+
+def check_fp32_gemm(fp32_gemm) -> None:
+    """Refuse a ``fp32_gemm`` that is not one of :data:`FP32_GEMM_LIBRARIES` (any value: a list too).
+
+    Raises:
+        ValueError: names the value and the libraries.
+    """
+    if fp32_gemm not in FP32_GEMM_LIBRARIES:
+        raise ValueError(f"fp32_gemm (the library of float32 builds' token-wise GEMMs) must be one of "
+                         f"{', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
+
+
+def float32_gemm_library(dtype: str, fp32_gemm: str) -> str | None:
+    """The library of a ``dtype`` build's token-wise GEMMs as results record it: ``fp32_gemm`` for a
+    float32 build, None for the other dtypes (which ignore the option)."""
+    return fp32_gemm if dtype == "float32" else None
+
+
+def links_onednn(dtype: str, fp32_gemm: str) -> bool:
+    """Whether the CPU build of a ``dtype`` graph calls oneDNN: every bfloat16 build, and float32 builds
+    with ``fp32_gemm`` ``"onednn"``."""
+    return dtype == "bfloat16" or (dtype == "float32" and fp32_gemm == "onednn")
+
 
 #: Rows of the other factor (B x J tokens) from which a bf16 ``packed_parameter`` GEMM reads the packed
 #: copy; below, it reads the parameter as given. Each call digests the parameter (one more pass over it):
@@ -148,14 +176,16 @@ def _emit_matmul_onednn(em, plan, out: Operand, alpha: float, bias: BiasPlan | N
     float32), float32 accumulation, the bias and activation epilogues if any (``activation``: a function
     name of ``ss::GemmActivation``), the output's dtype (bf16, or float32 for parameter gradients);
     ``packed_parameter`` (a parameter's name): where it is factor B, a call of at least
-    :data:`PACKED_PARAMETER_ROWS` rows reads it from its packed copy
-    (``b_parameter``). Batch
+    :data:`PACKED_PARAMETER_ROWS` rows reads it from its packed copy (``b_parameter``), every call
+    where it is float32 in a bf16 graph (master weights, rounded to bf16 as they are packed). Batch
     letters both factors run along go into one batched call; a letter one factor
     lacks (the Q/K/V stack T around the QKV GEMM) is a loop of calls, since oneDNN 3.2 runs a
     broadcast factor on its reference kernel (1000x slower)."""
     inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
     element = em.cfg.dtype
-    wide = [t.name for t in inputs if em.dtypes[t.name] != element]
+    packed = packed_parameter is not None and packed_parameter == plan.b.name  # factor B: a parameter
+    masters = packed and element == "bfloat16" and em.dtypes[plan.b.name] == "float32"
+    wide = [t.name for t in inputs if em.dtypes[t.name] != element and not (masters and t is plan.b)]
     if wide:  # the mixed-precision pass casts every contraction input
         raise ValueError(f"contraction {out.name} reads {', '.join(wide)} in "
                          f"{', '.join(em.dtypes[t] for t in wide)}; the {element} matmul takes {element} operands, bias")
@@ -181,10 +211,11 @@ def _emit_matmul_onednn(em, plan, out: Operand, alpha: float, bias: BiasPlan | N
                     f"{c_expr(bias.m)}, {c_expr(bias.n)}, {{{strides}}}}}")
     if activation is not None:
         epilogue = (epilogue or ", ss::GemmBias{}") + f", ss::GemmActivation::{activation}"
-    if packed_parameter is not None and packed_parameter == plan.b.name:  # factor B: a parameter
+    if packed:
         epilogue = (epilogue or ", ss::GemmBias{}") + ("" if activation is not None else ", ss::GemmActivation::none") \
-            + f", ({c_expr(plan.m)}) >= {PACKED_PARAMETER_ROWS}"
-    call = (f"if (ss::matmul<{'ss::bf16_t' if element == 'bfloat16' else 'float'}>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
+            + (", true" if masters else f", ({c_expr(plan.m)}) >= {PACKED_PARAMETER_ROWS}")
+    types = ("ss::bf16_t, float" if masters else "ss::bf16_t") if element == "bfloat16" else "float"
+    call = (f"if (ss::matmul<{types}>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
             f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}f, {pointer(plan.a, [b[1] for b, _ in looped])}, "
             f"{c_expr(plan.lda)}, {pointer(plan.b, [b[2] for b, _ in looped])}, {c_expr(plan.ldb)}, "
             f"{pointer(out, [b[3] for b, _ in looped])}, {c_expr(plan.ldc)}, "
