@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from ..backends.cpu.codegen import tensor_dtypes as cpu_tensor_dtypes
-from ..backends.rowkernel import ROW_INDEXED_CANDIDATES
 from ..backends.cuda.codegen import tensor_dtypes as cuda_tensor_dtypes
+from ..backends.rowkernel import ROW_INDEXED_CANDIDATES
 from ..config import EncoderConfig
 from ..ir.graph import LayerGraph, TensorInfo, parameters, size_symbol
 from ..ir.operands import STACK_LETTER, split_stack_params
