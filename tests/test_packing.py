@@ -303,3 +303,22 @@ def test_layout_of_a_packed_batch():
     assert all(packed.gather[k] == r for k, r in enumerate(dest) if r != -1)  # written back where it was read
     for group in packed.groups:
         assert group.seq == max(group.lengths) and group.start + group.batch * group.seq <= packed.slots
+
+
+def test_generated_code_addresses_the_layer_input_and_output_through_row_indices():
+    """A forward-only library exports substation_run_rows: its row kernels address X and Y as row
+    X_rows[b J + j] / Y_rows[b J + j] (null: b J + j), a Y index of -1 writes a per-thread scratch row;
+    the page prefetch of rows of 4 KiB or more follows the index too. Training libraries take none."""
+    from substation.backends.cpu.codegen import generate_cpu
+    from substation.pipeline import compile_graphs
+    config = load_config("bert-large-b8-l512").replace(dtype="bfloat16")  # I = 1024: X rows of 4 KiB
+    forward, _ = compile_graphs(config, fuse_ops=True, mode="eval")
+    source = generate_cpu(forward)
+    assert 'return "X,Y";' in source and source.count("int substation_run_rows(") == 1
+    assert source.count("float* __restrict__ X_row_ = X + rX_ * (I);") == 2  # the cast and the residual
+    assert source.count("float* __restrict__ Y_row_ = rY_ >= 0 ? Y + rY_ * (I) : Y_scratch_.data();") == 1
+    assert source.count("const int64_t pX_ = X_rows ? X_rows[row_ + 2] : row_ + 2;") == 2
+    assert "return substation_run_rows(args, sizes, workspace, seed, training, nullptr, nullptr);" in source
+    assert "X[i_B" not in source and "Y[i_B" not in source  # no access by the row letters
+    for graph in compile_graphs(config, fuse_ops=True, mode="train"):
+        assert "substation_run_rows" not in generate_cpu(graph)
