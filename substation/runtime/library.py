@@ -421,8 +421,9 @@ def registered_layer(key: str) -> CompiledLayer:
 
 def release_packed_parameters() -> int:
     """Drop the packed copies of parameters that bfloat16 inference builds keep (one cache per process,
-    up to 1 GiB; a loop that alternates training and evaluation leaves one copy per weight version);
-    the next inference call packs what it reads again.
+    up to 1 GiB; a loop that alternates training and evaluation leaves one copy per weight version)
+    and hand the freed memory back to the OS (glibc's ``malloc_trim``: :func:`keep_freed_memory` keeps
+    freed memory otherwise); the next inference call packs what it reads again.
 
     Returns:
         The bytes the copies held (0 when no bfloat16 build is loaded).
@@ -433,5 +434,10 @@ def release_packed_parameters() -> int:
         release = getattr(layer.forward.lib, "substation_release_packed_parameters", None)
         if release is not None:
             release.restype = ctypes.c_uint64
-            return int(release())  # every bf16 build shares the one cache (substation_dnnl.h)
+            held = int(release())  # every bf16 build shares the one cache (substation_dnnl.h)
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc: its allocator decides
+                pass
+            return held
     return 0
