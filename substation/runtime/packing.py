@@ -30,7 +30,8 @@ __all__ = ["CALL_TOKENS", "MASKED_BELOW", "PackedBatch", "SequenceGroup", "group
 #: Fixed cost of one library call (Python and ctypes dispatch, GEMM edge blocks), in tokens of
 #: token-wise work: 0.5 ms per call against ~11 us per token of an all-MiniLM-L6-v2 layer (float32, 2 threads).
 CALL_TOKENS = 64.0
-#: Cost of gathering one token into a group and scattering its output back, in tokens of work.
+#: Cost of moving one token of a group between its row of the batch and its slot (a gather, or reads and
+#: writes through the library's row index), in tokens of work.
 COPY_TOKENS = 0.05
 #: An additive key-mask value at or below this removes the key exactly: exp(-9000) is 0 in float32 and
 #: float64, so -inf, ``finfo.min`` (Hugging Face) and -10000 (older BERT code; -9984 once rounded to
