@@ -71,7 +71,8 @@ def format_report(analysis: Analysis) -> str:
         lines.append(row)
     if any(o.name == "master_weight_casts" for o in a.operators):
         lines.append("master_weight_casts: the float32 master weights cast to bf16 inside the operator, once per call "
-                     "under autocast (a pure-bf16 layer skips it)")
+                     "under autocast (a pure-bf16 layer skips it; an inference build packs its weights from float32 "
+                     "and casts the rest)")
     lines += ["", "class summary (share of the pass; kernels = operators, a fused kernel counts once)"]
     head = f"{'pass':<9} {'class':<5} {'kernels':>7} {'GFLOP':>9} {'MB':>9} {'flop %':>7} {'bytes %':>7}"
     if m:
