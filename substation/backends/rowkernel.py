@@ -39,7 +39,7 @@ from ..ir.operands import dim_symbol, resolve_operand, stride_order
 from ..ops import op_kind, op_space
 
 __all__ = ["RowKernelModel", "RowEmitter", "RowSweep", "REDUCTIONS", "ROW_INDEXED_CANDIDATES", "build_row_kernel",
-           "kernel_members", "row_indexed_tensors", "row_kernel_space", "row_pitch"]
+           "is_row_kernel", "kernel_members", "row_indexed_tensors", "row_kernel_space", "row_pitch"]
 
 #: Row reductions of an accumulator: its initial value's name and the update it takes.
 REDUCTIONS = ("sum", "max")
@@ -147,6 +147,12 @@ def build_row_kernel(graph: LayerGraph, op: Operator) -> RowKernelModel:
                           tuple(row_values), tuple(row_scalars), tuple(columns))
 
 
+def is_row_kernel(op: Operator) -> bool:
+    """Whether ``op`` runs as a row kernel: a fused operator, or a kind with a row body (the TC kinds,
+    contraction and attention, have none)."""
+    return op.kind == "fused" or op_kind(op.kind).row is not None
+
+
 #: The layer's input and output, which a forward-only library may read and write through a row index.
 ROW_INDEXED_CANDIDATES = ("X", "Y")
 
@@ -171,13 +177,13 @@ def row_indexed_tensors(graph: LayerGraph) -> tuple[str, ...]:
     (:func:`substation.runtime.packing.run_packed`): X when only row kernels read it, Y when a row
     kernel writes it, each with rows (b, j) that are dense rows of the tensor (:func:`row_pitch`).
     A training graph's: none."""
-    if graph.phase != "forward" or any(t.role == "saved" for t in graph.tensors.values()):
+    if not graph.forward_only:
         return ()
-    kernels = {op: build_row_kernel(graph, op) for op in graph.operators()
-               if op.kind not in ("contraction", "attention")}  # the rest are row kernels
+    ops = graph.operators()
+    kernels = {op: build_row_kernel(graph, op) for op in ops if is_row_kernel(op)}
     out = []
     for name in ROW_INDEXED_CANDIDATES:
-        users = [op for op in graph.operators() if name in {t for t, _ in graph.operands(op).values()}]
+        users = [op for op in ops if name in {t for t, _ in graph.operands(op).values()}]
         if users and all(op in kernels and name in kernels[op].memory
                          and row_pitch(graph, name, kernels[op].memory[name], kernels[op].rows) is not None
                          for op in users):

@@ -137,6 +137,12 @@ class LayerGraph:
     config: EncoderConfig
 
     @property
+    def forward_only(self) -> bool:
+        """Whether this is the graph of a forward-only (inference) library: a forward graph that saves
+        nothing for backward."""
+        return self.phase == "forward" and not any(t.role == "saved" for t in self.tensors.values())
+
+    @property
     def state(self) -> dace.SDFGState:
         """The SDFG's single state, which holds every operator."""
         return self.sdfg.nodes()[0]

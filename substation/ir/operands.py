@@ -171,8 +171,7 @@ def split_stack_params(graph: LayerGraph) -> tuple[str, ...]:
     of a model with separate Q, K, V projections then runs inference without concatenating its weights
     on every call. Empty for graphs that save tensors for backward, backward graphs and CUDA builds.
     """
-    if graph.config.target != "cpu" or graph.phase != "forward" \
-            or any(t.role == "saved" for t in graph.tensors.values()):
+    if graph.config.target != "cpu" or not graph.forward_only:
         return ()
     readers: dict[str, set[str]] = {}
     for op in graph.operators():

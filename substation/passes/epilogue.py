@@ -33,7 +33,8 @@ from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops.contraction import EPILOGUE_BIAS
 from .precision import applies_to as mixed_precision
 
-__all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "fuse_epilogues", "pack_parameters"]
+__all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "float32_master", "fuse_epilogues",
+           "pack_parameters"]
 
 
 def applies_to(config: EncoderConfig) -> bool:
@@ -121,6 +122,12 @@ def _absorb(graph: LayerGraph, pairs: dict[str, str]) -> LayerGraph:
     return b.finish()
 
 
+def float32_master(graph: LayerGraph, name: str) -> bool:
+    """Whether parameter ``name`` of ``graph`` is a float32 master weight that its GEMM packs into bf16
+    (:func:`pack_parameters` with ``float32_masters``): a float32 parameter of a bfloat16 graph."""
+    return graph.config.dtype == "bfloat16" and graph.tensors[name].dtype == "float32"
+
+
 def pack_parameters(graph: LayerGraph, float32_masters: bool = False) -> LayerGraph:
     """``graph`` (a forward-only graph) with each contraction that reads a parameter marked
     ``packed_parameter`` = that parameter's name (see the module docstring); ``graph`` itself when
@@ -131,7 +138,7 @@ def pack_parameters(graph: LayerGraph, float32_masters: bool = False) -> LayerGr
         ValueError: ``graph`` saves tensors for backward (a training forward: its parameters change
         every step, so packed copies would be made once per step and never found again).
     """
-    if any(t.role == "saved" for t in graph.tensors.values()):
+    if not graph.forward_only:
         raise ValueError("parameters are packed in forward-only (inference) graphs only")
     marks = {}
     for op in graph.operators():

@@ -44,6 +44,7 @@ from ..config import ITEMSIZES, EncoderConfig, load_config
 from ..ir.graph import OP_CLASSES, LayerGraph, Operator, access_letters
 from ..ops import op_kind
 from ..ops.kind import elements
+from ..passes.epilogue import float32_master
 from ..runtime.library import graph_tensor_dtypes
 
 __all__ = [
@@ -234,7 +235,7 @@ def _parameter_digest(graph: LayerGraph, op: Operator, item: dict, sizes: Mappin
     def count(sizer):
         return access_elements(rows, sizer), item[name] * access_elements(access, sizer)
     (rows_sym, bytes_sym), (rows_num, bytes_num) = count(_sizer(None)), count(_sizer(sizes))
-    if graph.config.dtype == "bfloat16" and item[name] == ITEMSIZES["float32"]:  # masters: digested every call
+    if float32_master(graph, name):  # digested every call
         return bytes_sym, int(bytes_num)
     return (sympy.Piecewise((bytes_sym, sympy.Ge(rows_sym, PACKED_PARAMETER_ROWS)), (0, True)),
             int(bytes_num) if rows_num >= PACKED_PARAMETER_ROWS else 0)

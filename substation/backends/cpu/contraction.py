@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ...ir.operands import STACK_LETTER, BiasPlan, LayoutError, Operand, c_expr, dim_size, plan_bias, plan_contraction
 from ...ops.contraction import EPILOGUE_BIAS, factors
+from ...passes.epilogue import float32_master
 
 __all__ = ["FP32_GEMM_LIBRARIES", "PACKED_PARAMETER_ROWS", "check_fp32_gemm", "emit_attention", "emit_contraction",
            "float32_gemm_library", "links_onednn", "operand_pointer"]
@@ -184,7 +185,7 @@ def _emit_matmul_onednn(em, plan, out: Operand, alpha: float, bias: BiasPlan | N
     inputs = (plan.a, plan.b) + (() if bias is None else (bias.operand,))
     element = em.cfg.dtype
     packed = packed_parameter is not None and packed_parameter == plan.b.name  # factor B: a parameter
-    masters = packed and element == "bfloat16" and em.dtypes[plan.b.name] == "float32"
+    masters = packed and float32_master(em.graph, plan.b.name)
     wide = [t.name for t in inputs if em.dtypes[t.name] != element and not (masters and t is plan.b)]
     if wide:  # the mixed-precision pass casts every contraction input
         raise ValueError(f"contraction {out.name} reads {', '.join(wide)} in "

@@ -8,7 +8,7 @@ import os
 import warnings
 from typing import Mapping
 
-from ...backends.rowkernel import kernel_members
+from ...backends.rowkernel import is_row_kernel, kernel_members
 from ...files import atomic_write_text
 from ...ir.graph import GraphBuilder, LayerGraph
 from ...ir.operands import plan_bias, plan_contraction, resolve_operand
@@ -190,7 +190,7 @@ def rename_member_tensors(records: list, rename: Mapping[str, str]) -> list:
 def _check_vector(graph: LayerGraph, op, vector, key: str) -> None:
     """Raises PlanError unless ``vector`` is a letter the row kernel ``op`` may loop over innermost: one
     of its letters, and of those its reduction keeps inner where it has one."""
-    if op.kind in ("contraction", "attention"):
+    if not is_row_kernel(op):
         raise PlanError(f"plan gives kernel {key} (a GEMM) a 'vector' option; only row kernels take one")
     spaces = [op_space(m["kind"], m["inputs"], m["outputs"], m["attrs"]) for m in kernel_members(graph, op)]
     allowed = next((n for _, n in spaces if n is not None), spaces[0][0])
