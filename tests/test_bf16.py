@@ -647,6 +647,7 @@ double distinct_shapes(int count) {
 long cached() { return (long)ss::matmul_cache().size(); }
 long packed_copies() { return (long)ss::packed_weight_cache().size(); }
 uint64_t digest(const ss::bf16_t* b, int64_t rows, int64_t cols, int64_t ld) { return ss::content_digest(b, rows, cols * 2, ld * 2); }
+void hold(int on) { ss::hold_parameters(on != 0); }
 // C[m, n] = A[m, k] B^T (B [n, k] as a torch Linear weight), B read as a parameter or plainly.
 int linear(int64_t m, int64_t n, int64_t k, const ss::bf16_t* a, const ss::bf16_t* b, float* c, int parameter) {
   return ss::matmul<ss::bf16_t>(false, true, m, n, k, 1.0f, a, k, b, k, c, n, true, ss::GemmBatch{}, ss::GemmBias{},
@@ -731,6 +732,34 @@ def test_parameters_are_read_from_packed_copies_found_by_content():
     swapped[0, 0], swapped[0, 1] = w[0, 1].clone(), w[0, 0].clone()
     assert len({base, digest(one), digest(-w), digest(swapped), digest(w[:, :39]), digest(w[:71])}) == 6
     assert digest(w.clone()) == base and digest(torch.cat([w, w], 1)[:, :k]) == base  # strided rows
+
+
+def test_held_parameters_are_digested_once_per_hold():
+    """While a caller holds its parameters (``ss::hold_parameters``, as a packed batch does across its
+    groups), each parameter's content is digested once: a change at the same address inside the hold is
+    not looked at (the caller promised none), another address is; after the hold every change is seen."""
+    import ctypes
+    lib = ctypes.CDLL(cpu_build.build_library(_PRIMITIVE_CACHE_HARNESS, "primitive_cache", with_onednn=True).path)
+    ptr = ctypes.c_void_p
+    torch.manual_seed(3)
+    m, n, k = 300, 72, 40
+    a, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+
+    def linear(weight, parameter=True):
+        c = torch.empty(m, n)
+        assert lib.linear(m, n, k, ptr(a.data_ptr()), ptr(weight.data_ptr()), ptr(c.data_ptr()), int(parameter)) == 0
+        return c
+    first = linear(w)
+    lib.hold(1)
+    try:
+        assert torch.equal(linear(w), first)
+        w[0] += 1  # breaks the promise: the held digest still names the old copy
+        assert torch.equal(linear(w), first)
+        other = w.clone()  # the new content at another address is digested
+        assert torch.equal(linear(other), linear(other, parameter=False))
+    finally:
+        lib.hold(0)
+    assert torch.equal(linear(w), linear(w, parameter=False)) and not torch.equal(linear(w), first)
 
 
 def test_float32_master_weights_are_rounded_as_they_are_packed():

@@ -177,19 +177,17 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
 #if defined(__AVX512BF16__)
 // 2^y for the lanes `tail` selects (y <= 0 or NaN: a score minus its row's maximum, in base-2 units),
 // zero in the others and under 2^-126 (a masked key's -inf; no denormal result, which Intel CPUs make
-// slowly), to 3e-6 relative: enough where the result is rounded to bf16 (2e-3), in 10 instructions.
-// 2^y = 2^k 2^f, k = round(y), f in [-1/2, 1/2], 2^f by a degree-4 polynomial fitted to the relative
-// error on that interval.
+// slowly), to 3e-6 relative: enough where the result is rounded to bf16 (2e-3), in 7 instructions.
+// 2^y = 2^floor(y) 2^f: VREDUCEPS gives f = y - floor(y) in [0, 1], a degree-4 polynomial fitted to the
+// relative error there gives 2^f, and VSCALEFPS multiplies by 2^floor(y) itself (a separate rounding
+// and subtraction made the softmax, bound by its vector instructions on Zen 4, 15% slower).
 static inline __m512 exp2_lanes_bf16(__m512 y, __mmask16 tail) {
-  constexpr float c0 = 0.99999928f, c1 = 0.69312185f, c2 = 0.24024744f, c3 = 0.055917766f, c4 = 0.0095700528f;
-  const __m512 lo = _mm512_set1_ps(-126.0f);
-  const __mmask16 live = _mm512_cmp_ps_mask(y, lo, _CMP_NLT_UQ) & tail;
-  y = _mm512_max_ps(lo, y);
-  const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, k);
+  constexpr float c0 = 1.0000026f, c1 = 0.69300383f, c2 = 0.24144280f, c3 = 0.052011464f, c4 = 0.013534134f;
+  const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ) & tail;
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p = _mm512_set1_ps(c4);
   for (const float c : {c3, c2, c1, c0}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_maskz_scalef_ps(live, p, k);
+  return _mm512_maskz_scalef_ps(live, p, y);
 }
 
 // One sequence's additive key mask in base-2 units: out[i] = log2(e) mask[i], i < K (once per task,
@@ -200,44 +198,72 @@ static inline const float* key_mask_log2(const bf16_t* mask, int64_t K, float* _
   return out;
 }
 
-// One query's scores s[0, Kp) (float, unscaled; Kp a multiple of 32): exp(alpha s + mask) over its row
-// maximum, with the causal mask, as base-2 exponentials (alpha log2(e) s + mask2, mask2 from
-// key_mask_log2 or null), their float sum and their bf16 rounding into p (zero from the key count on,
-// to Kp); returns 1 / the sum (0 when every score is -inf). Without a mask and with alpha > 0 the
-// first pass only finds max(s) (max(alpha s) = alpha max(s)) and the second scales as it goes.
-static inline float bf16_probabilities(float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp, float alpha,
-                                      const float* mask2, bool causal, int64_t query) {
-  const int64_t live = causal ? std::min<int64_t>(K, query + 1) : K;  // keys past the query are -inf
+// R query rows of scores s (float, unscaled; row stride Kp, a multiple of 32; the first row is query
+// `query`): exp(alpha s + mask) over each row's maximum, with the causal mask, as base-2 exponentials
+// (alpha log2(e) s + mask2, mask2 from key_mask_log2 or null), their float sums and their bf16 rounding
+// into p (row stride Kp; zero from the key count on, to Kp); inv[r] = 1 / row r's sum (0 when every
+// score is -inf). Without a mask and with alpha > 0 the first pass only finds max(s) (max(alpha s) =
+// alpha max(s)) and the second scales as it goes. The rows go through each pass together: one row's
+// maximum and sum are chains of dependent instructions, R of them overlap.
+template <int R>
+static inline void bf16_probabilities(float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp, float alpha,
+                                      const float* mask2, bool causal, int64_t query, float* inv) {
+  int64_t live[R];  // keys each row attends: those past its query are -inf under a causal mask
+  int64_t most = 0;
+  for (int r = 0; r < R; ++r) most = std::max(most, live[r] = causal ? std::min<int64_t>(K, query + r + 1) : K);
   const float c = alpha * expf_constants::log2e;
   const bool raw_max = mask2 == nullptr && c > 0;
   const __m512 scale = _mm512_set1_ps(c);
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < live; i += 16) {
-    const __mmask16 tail = first_lanes(live - i);
-    __m512 t = _mm512_maskz_loadu_ps(tail, s + i);
-    if (!raw_max) {
-      t = mask2 ? _mm512_fmadd_ps(t, scale, _mm512_maskz_loadu_ps(tail, mask2 + i)) : _mm512_mul_ps(t, scale);
-      _mm512_mask_storeu_ps(s + i, tail, t);
+  __m512 top[R], acc[R];
+  for (int r = 0; r < R; ++r) top[r] = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < most; i += 16) {
+    const __m512 m = mask2 ? _mm512_maskz_loadu_ps(first_lanes(most - i), mask2 + i) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 tail = first_lanes(live[r] - i);
+      __m512 t = _mm512_maskz_loadu_ps(tail, s + r * Kp + i);
+      if (!raw_max) {
+        t = mask2 ? _mm512_fmadd_ps(t, scale, m) : _mm512_mul_ps(t, scale);
+        _mm512_mask_storeu_ps(s + r * Kp + i, tail, t);
+      }
+      top[r] = _mm512_mask_max_ps(top[r], tail, top[r], t);
     }
-    mx = _mm512_mask_max_ps(mx, tail, mx, t);
   }
-  float top = _mm512_reduce_max_ps(mx);
-  if (raw_max) top *= c;
-  if (top == -INFINITY) top = 0;
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 acc = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    float t = _mm512_reduce_max_ps(top[r]);
+    if (raw_max) t *= c;
+    top[r] = _mm512_set1_ps(t == -INFINITY ? 0.0f : t);
+    acc[r] = _mm512_setzero_ps();
+  }
   for (int64_t i = 0; i < Kp; i += 32) {
-    __m512 e[2];
-    for (int half = 0; half < 2; ++half) {
-      const __m512 x = _mm512_loadu_ps(s + i + 16 * half);  // lanes past `live` give 0
-      const __m512 y = raw_max ? _mm512_fmsub_ps(x, scale, shift) : _mm512_sub_ps(x, shift);
-      e[half] = exp2_lanes_bf16(y, first_lanes(live - i - 16 * half));
-      acc = _mm512_add_ps(acc, e[half]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 e[2];
+      for (int half = 0; half < 2; ++half) {
+        const __m512 x = _mm512_loadu_ps(s + r * Kp + i + 16 * half);  // lanes past `live` give 0
+        const __m512 y = raw_max ? _mm512_fmsub_ps(x, scale, top[r]) : _mm512_sub_ps(x, top[r]);
+        e[half] = exp2_lanes_bf16(y, first_lanes(live[r] - i - 16 * half));
+        acc[r] = _mm512_add_ps(acc[r], e[half]);
+      }
+      _mm512_storeu_si512(p + r * Kp + i, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
     }
-    _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
   }
-  const float sum = _mm512_reduce_add_ps(acc);
-  return sum == 0 ? 0.0f : 1.0f / sum;
+  for (int r = 0; r < R; ++r) {
+    const float sum = _mm512_reduce_add_ps(acc[r]);
+    inv[r] = sum == 0 ? 0.0f : 1.0f / sum;
+  }
+}
+
+// bf16_probabilities over the `rows` rows of a block, 8 at a time (the registers hold 8 rows' maxima
+// and sums besides the exponential's temporaries).
+template <int R = 8>
+static inline void bf16_block_probabilities(int64_t rows, float* s, bf16_t* __restrict__ p, int64_t K, int64_t Kp,
+                                            float alpha, const float* mask2, bool causal, int64_t query, float* inv) {
+  if constexpr (R > 0) {
+    for (; rows >= R; rows -= R, s += R * Kp, p += R * Kp, query += R, inv += R)
+      bf16_probabilities<R>(s, p, K, Kp, alpha, mask2, causal, query, inv);
+    bf16_block_probabilities<R - 1>(rows, s, p, K, Kp, alpha, mask2, causal, query, inv);
+  }
 }
 
 // The context rows of a block, each scaled by its 1 / sum and rounded once: y[r, p] = bf16(o[r, p] inv[r])
@@ -378,8 +404,7 @@ static inline void attention_forward_dp(int64_t B, int64_t H, int64_t J, int64_t
           }
           for (int64_t nb = 0; nb < Kp / 32; ++nb)
             dp_block(nj, pairs, qb, q_ld, kt.data() + nb * pairs * 32, 32, s.data() + nb * 32, Kp);
-          for (int r = 0; r < nj; ++r)
-            inv[r] = bf16_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
+          bf16_block_probabilities(nj, s.data(), pr.data(), K, Kp, alpha, mb, causal, j0, inv);
           const uint32_t* values = reinterpret_cast<const uint32_t*>(vt.data());
           for (int64_t c0 = 0; c0 < width; c0 += 32)
             dp_block(nj, key_pairs, pr.data(), Kp, values + c0, width, o.data() + c0, width);
@@ -506,8 +531,7 @@ static inline void attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_
           for (int64_t nb = 0; nb < key_blocks; nb += 2)
             amx_block_times_tile_pair(Pp / 32, reinterpret_cast<const char*>(qb), q_ld * sizeof(bf16_t),
                                       keys + nb * 1024, key_blocks * 1024, s.data() + nb * 16, Kp * sizeof(float));
-          for (int64_t r = 0; r < nj; ++r)
-            inv[r] = bf16_probabilities(s.data() + r * Kp, pr.data() + r * Kp, K, Kp, alpha, mb, causal, j0 + r);
+          bf16_block_probabilities(nj, s.data(), pr.data(), K, Kp, alpha, mb, causal, j0, inv);
           const char* values = reinterpret_cast<const char*>(vt.data());
           for (int64_t cb = 0; cb < col_blocks; cb += 2)
             amx_block_times_tile_pair(Kp / 32, reinterpret_cast<const char*>(pr.data()), Kp * sizeof(bf16_t),

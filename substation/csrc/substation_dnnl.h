@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -79,6 +80,37 @@ inline LruCache<dnnl::memory>& packed_weight_cache() {
   return cache;
 }
 
+// Parameters held fixed by the calling thread (hold_parameters): a packed batch runs a library once per
+// group of sequences with the same weights, and each call would digest all of them again (a pass over
+// the layer's weights, bound by memory bandwidth).
+struct HeldParameters {
+  bool held = false;
+  std::map<std::vector<int64_t>, uint64_t> digests;  // (address, rows, row bytes, row stride) -> digest
+};
+
+inline HeldParameters& held_parameters() {
+  static thread_local HeldParameters held;
+  return held;
+}
+
+// on: the caller promises that the parameters this thread passes do not change until hold_parameters(false),
+// so each one's content is digested once; either call forgets the digests.
+inline void hold_parameters(bool on) {
+  HeldParameters& held = held_parameters();
+  held.held = on;
+  held.digests.clear();
+}
+
+// content_digest of a parameter, computed once per hold.
+inline uint64_t parameter_digest(const void* data, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
+  HeldParameters& held = held_parameters();
+  if (!held.held) return content_digest(data, rows, row_bytes, ld_bytes);
+  const std::vector<int64_t> key = {(int64_t)reinterpret_cast<uintptr_t>(data), rows, row_bytes, ld_bytes};
+  const auto found = held.digests.find(key);
+  if (found != held.digests.end()) return found->second;
+  return held.digests[key] = content_digest(data, rows, row_bytes, ld_bytes);
+}
+
 // Guards matmul_cache() and packed_weight_cache().
 inline std::mutex& matmul_lock() {
   static std::mutex lock;
@@ -111,8 +143,9 @@ inline std::vector<int64_t> layout_signature(const dnnl::memory::desc& md) {
 // 1.0-1.2e-6 vs 3.2-3.5e-7; a Hugging Face model's float32 outputs carry MKL's). Chunks of 512:
 // 6.1-7.1e-7, at ~3% of the time (256: MKL's error, but most of oneDNN's lead over MKL gone).
 constexpr int64_t kFloatChunk = 512;
-// Below this many rows a float32 call goes to MKL's SGEMM: a MiniLM layer at 1 x 24 tokens took 1.65-1.95
-// ms with MKL, 2.07-2.32 with the chunked oneDNN calls (each chunk is one more oneDNN call).
+// Below this many rows a float32 call with k > kFloatChunk goes to MKL's SGEMM: at 24 rows the chunked
+// oneDNN calls took 1.15x MKL's time (MiniLM's linear2) where one unchunked oneDNN call of k <= kFloatChunk
+// takes 0.7x (its QKV, out_proj and linear1).
 constexpr int64_t kFloatMinRows = 256;
 
 template <typename T, typename TB>
@@ -144,7 +177,7 @@ inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
   const bool plain = std::is_same<T, float>::value && batch.count == 0 && !bias.data &&
                      activation == GemmActivation::none && !b_parameter;
   if constexpr (std::is_same<T, float>::value) {
-    if (plain && m < kFloatMinRows) {
+    if (plain && m < kFloatMinRows && k > kFloatChunk) {
       cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k,
                   alpha, a, lda, b, ldb, 0.0f, static_cast<float*>(c), ldc);
       return 0;
@@ -249,7 +282,7 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     if (!(entry->b_packed == entry->b)) {  // another layout, or float32 masters: always so for those
       LruCache<memory>::Key packed_key = layout_signature(entry->b_packed);
       packed_key.insert(packed_key.end(), {(int64_t)b_dt, trans_b, k, n,
-                                           (int64_t)content_digest(b, trans_b ? n : k, (trans_b ? k : n) * (int64_t)sizeof(TB),
+                                           (int64_t)parameter_digest(b, trans_b ? n : k, (trans_b ? k : n) * (int64_t)sizeof(TB),
                                                                    ldb * (int64_t)sizeof(TB))});
       {
         std::lock_guard<std::mutex> guard(matmul_lock());

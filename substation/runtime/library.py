@@ -3,6 +3,7 @@ tensors), :class:`CompiledLayer` (a layer's forward and backward libraries) and 
 the custom operators find layers in; dtype tables and the parameter list of a config."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -149,6 +150,23 @@ class CompiledGraph:
         #: apart: :func:`~substation.ir.operands.split_stack_params`); a stacked tensor works as well.
         self.split = frozenset(split_stack_params(graph))
         self._stack = int(size_symbol(STACK_LETTER))
+
+    @contextlib.contextmanager
+    def parameters_held(self):
+        """Within this context the calling thread promises not to change the parameters it passes to
+        this library, so a library that reads packed copies of them (bfloat16 inference builds) digests
+        each parameter's content once instead of on every call (a packed batch calls it once per
+        group). Outside it, and in libraries without packed parameters, nothing changes.
+        """
+        hold = getattr(self.lib, "substation_hold_parameters", None)
+        if hold is None:
+            yield
+            return
+        hold(1)
+        try:
+            yield
+        finally:
+            hold(0)
 
     def op_seconds(self, reset: bool = True) -> dict[str, float]:
         """Seconds spent in each operator since the last reset (instrumented builds only).

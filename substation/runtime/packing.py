@@ -319,23 +319,24 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
     hidden = x_rows.shape[1]
     out = torch.empty(packed.rows, hidden, dtype=graph.dtypes["Y"])
     has_mask = "mask" in graph.dtypes
-    for g in packed.groups:
-        n = g.batch * g.seq
-        rows = {}
-        if g.source_start is not None:  # its rows in place: no copy in or out
-            at = slice(g.source_start, g.source_start + n)
-            x, y = x_rows[at].view(g.batch, g.seq, hidden), out[at].view(g.batch, g.seq, hidden)
-        else:
-            slots = slice(g.start, g.start + n)
-            rows["Y"], y = packed.destination[slots], out
-            if "X" in graph.row_indexed:
-                rows["X"], x = packed.gather[slots], x_rows
+    with graph.parameters_held():  # the same weights for every group: digested once
+        for g in packed.groups:
+            n = g.batch * g.seq
+            rows = {}
+            if g.source_start is not None:  # its rows in place: no copy in or out
+                at = slice(g.source_start, g.source_start + n)
+                x, y = x_rows[at].view(g.batch, g.seq, hidden), out[at].view(g.batch, g.seq, hidden)
             else:
-                x = x_rows.index_select(0, packed.gather[slots]).view(g.batch, g.seq, hidden)
-        tensors = {**given, "X": x, "Y": y}
-        if has_mask:
-            dtype = graph.dtypes["mask"]
-            tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
-        graph.run_into(tensors, g.batch, g.seq, rows=rows)
+                slots = slice(g.start, g.start + n)
+                rows["Y"], y = packed.destination[slots], out
+                if "X" in graph.row_indexed:
+                    rows["X"], x = packed.gather[slots], x_rows
+                else:
+                    x = x_rows.index_select(0, packed.gather[slots]).view(g.batch, g.seq, hidden)
+            tensors = {**given, "X": x, "Y": y}
+            if has_mask:
+                dtype = graph.dtypes["mask"]
+                tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
+            graph.run_into(tensors, g.batch, g.seq, rows=rows)
     out.index_fill_(0, packed.unused, 0)
     return out

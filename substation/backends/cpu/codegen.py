@@ -564,6 +564,8 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
         "",
         *(['extern "C" uint64_t substation_release_packed_parameters() { return ss::release_packed_parameters(); }', ""]
           if bf16 else []),
+        *(['extern "C" void substation_hold_parameters(int32_t on) { ss::hold_parameters(on != 0); }', ""]
+          if bf16 and graph.forward_only else []),
         'extern "C" int64_t substation_workspace_bytes(const int64_t* sizes) {',
         "  const int64_t B = sizes[0], J = sizes[1], K = sizes[2];",
         "  (void)B; (void)J; (void)K;",
