@@ -70,5 +70,5 @@ def test_contractions_are_blas_calls(tiny):
         tc_blocks = [b for b in blocks if re.match(r"\w+ \[TC\]", b)]
         assert len(tc_blocks) == n
         for b in tc_blocks:  # every contraction is a GEMM call, never a loop over its reduction
-            assert "cblas_sgemm(" in b and "+=" not in b
-        assert src.count("cblas_sgemm(") >= n and "cblas_dgemm" not in src
+            assert "ss::gemm<float>(" in b and "+=" not in b
+        assert src.count("ss::gemm<float>(") >= n and "ss::gemm<double>" not in src

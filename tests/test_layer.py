@@ -48,13 +48,14 @@ FP32_VARIANTS = [(*v, "mkl") for v in VARIANTS] + [(*v, "onednn") for v in VARIA
 def test_float32_error_within_twice_pytorch(placement, activation, masked, fp32_gemm):
     config = SMALL.replace(layer_norm=placement, activation=activation, dtype="float32")
     layer = make_layer(config, fp32_gemm=fp32_gemm)
-    # token-wise GEMMs (forward 4, backward 8: dX and dW of each) on the chosen library; the per-head
-    # batches (forward 2, backward 4) on ss::gemm_small, each with two BLAS fallbacks (no AVX-512, few heads)
+    # token-wise GEMMs (forward 4, backward 8: dX and dW of each) on the chosen library (MKL through
+    # ss::gemm); the per-head batches (forward 2, backward 4) on ss::gemm_small, each with two MKL
+    # fallbacks (no AVX-512, few heads)
     for graph, token_wise, batched in (("forward", 4, 2), ("backward", 8, 4)):
         source = layer.compiled.sources[graph]
         onednn = token_wise if fp32_gemm == "onednn" else 0
         assert source.count("ss::matmul<float>(") == onednn, graph
-        assert source.count("cblas_sgemm(") == token_wise - onednn + 2 * batched, graph
+        assert source.count("ss::gemm<float>(") == token_wise - onednn + 2 * batched, graph
         assert source.count("ss::gemm_small(") == batched, graph
     ref64 = reference_for(layer, torch.float64)
     ref32 = reference_for(layer, torch.float32)
@@ -87,6 +88,46 @@ def test_float32_gemm_libraries_at_oneDNN_sizes(fp32_gemm, batch, seq):
     for name in want:
         e_ours, e_torch = rel(ours[name], want[name]), rel(torch32[name], want[name])
         assert e_ours <= bound * e_torch and e_ours < 1e-5, (name, e_ours, e_torch)
+
+
+_GEMM_HARNESS = r"""
+#include "substation_blas.h"
+extern "C" void gemm(int64_t m, int64_t n, int64_t k, int trans_b, const float* a, const float* b, float* c) {
+  ss::gemm<float>(false, trans_b != 0, m, n, k, 0.5f, a, k, b, trans_b ? k : n, c, n);
+}
+extern "C" void gemm64(int64_t m, int64_t n, int64_t k, const double* a, const double* b, double* c) {
+  ss::gemm<double>(false, false, m, n, k, 1.0, a, k, b, n, c, n);
+}
+"""
+
+
+def test_token_wise_gemms_split_their_columns_at_few_rows():
+    """ss::gemm (the float32 and float64 builds' token-wise GEMMs): below kSplitRows = 256 rows the
+    columns of C go to the threads in blocks of single-threaded MKL calls (B plain and transposed, column
+    counts not a multiple of 16, too few columns to split); every element within MKL's float32 error of
+    the float64 product, and float64 exact to 1e-12."""
+    import ctypes
+
+    from substation.backends.cpu import build as cpu_build
+    lib = ctypes.CDLL(cpu_build.build_library(_GEMM_HARNESS, "gemm_split", with_onednn=False).path)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gemm.argtypes = [i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    lib.gemm64.argtypes = [i64, i64, i64, ptr, ptr, ptr]
+    torch.manual_seed(5)
+    for m, n, k in [(1, 1152, 384), (7, 600, 96), (24, 1536, 384), (24, 40, 64), (100, 385, 1536), (255, 77, 33),
+                    (300, 1152, 384)]:
+        a = torch.randn(m, k)
+        for trans_b in (0, 1):
+            b = torch.randn(n, k) if trans_b else torch.randn(k, n)
+            exact = 0.5 * (a.double() @ (b.double().T if trans_b else b.double()))
+            c = torch.full((m, n), float("nan"))
+            lib.gemm(m, n, k, trans_b, ptr(a.data_ptr()), ptr(b.data_ptr()), ptr(c.data_ptr()))
+            torch_error = rel(0.5 * (a @ (b.T if trans_b else b)), exact)
+            assert rel(c, exact) <= 2 * torch_error + 1e-9, (m, n, k, trans_b)
+        a64, b64 = a.double(), torch.randn(k, n, dtype=torch.float64)
+        c64 = torch.empty(m, n, dtype=torch.float64)
+        lib.gemm64(m, n, k, ptr(a64.data_ptr()), ptr(b64.data_ptr()), ptr(c64.data_ptr()))
+        assert rel(c64, a64 @ b64) < 1e-12
 
 
 @pytest.mark.parametrize("variant", [{"activation": "gelu_tanh"}, {"mask": "causal"}, {"mask": "none"},

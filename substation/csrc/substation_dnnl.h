@@ -26,8 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include <mkl_cblas.h>
-
+#include "substation_blas.h"
 #include "substation_packed.h"
 
 namespace ss {
@@ -178,8 +177,7 @@ inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
                      activation == GemmActivation::none && !b_parameter;
   if constexpr (std::is_same<T, float>::value) {
     if (plain && m < kFloatMinRows && k > kFloatChunk) {
-      cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k,
-                  alpha, a, lda, b, ldb, 0.0f, static_cast<float*>(c), ldc);
+      gemm<float>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, static_cast<float*>(c), ldc);
       return 0;
     }
   }

@@ -54,7 +54,6 @@ class _Emitter:
         self.onednn_fp32 = self.cfg.dtype == "float32" and fp32_gemm == "onednn"
         self.T = _COMPUTE[self.cfg.dtype]
         self.dtypes = tensor_dtypes(graph)
-        self.blas = "cblas_sgemm" if self.cfg.dtype == "float32" else "cblas_dgemm"
         self.split = frozenset(split_stack_params(graph))  # parameters given as per-T pointer tables
         self.row_indexed = row_indexed_tensors(graph)  # read / written through X_rows / Y_rows
         self.lines: list[str] = []
@@ -519,7 +518,7 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
     """C++ source of ``graph`` for the CPU (see the module docstring for the exported ABI).
 
     ``fp32_gemm`` (float32 graphs): the library of the token-wise contractions, ``"mkl"``
-    (``cblas_sgemm``) or ``"onednn"`` (``ss::matmul<float>``; the build then links oneDNN).
+    (MKL through ``ss::gemm``, substation_blas.h) or ``"onednn"`` (``ss::matmul<float>``; the build then links oneDNN).
 
     With ``instrument``, every operator is timed (``omp_get_wtime``) and the library also exports
     ``const char* substation_op_names()`` (comma-separated, in execution order) and
@@ -548,7 +547,7 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
         '#include "substation_cpu.h"',
         *(['#include "substation_dnnl.h"'] if links_onednn(cfg.dtype, fp32_gemm) else []),
         *(['#include "substation_attention.h"'] if any(op.kind == "attention" for op in ops) else []),
-        "#include <mkl_cblas.h>",
+        '#include "substation_blas.h"',
         "",
         "namespace {",
         *(f"constexpr int64_t {d} = {sizes[d]};" for d in STATIC_DIMENSIONS),

@@ -83,10 +83,9 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
 
     def call(pointers) -> str:
         pa, pb, pc = pointers
-        return (f"{em.blas}(CblasRowMajor, {'CblasTrans' if plan.trans_a else 'CblasNoTrans'}, "
-                f"{'CblasTrans' if plan.trans_b else 'CblasNoTrans'}, {c_expr(plan.m)}, {c_expr(plan.n)}, "
-                f"{c_expr(plan.k)}, {alpha!r}, {pa}, {c_expr(plan.lda)}, {pb}, {c_expr(plan.ldb)}, 0.0, {pc}, "
-                f"{c_expr(plan.ldc)});")
+        return (f"ss::gemm<{em.T}>({str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, {c_expr(plan.m)}, "
+                f"{c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}, {pa}, {c_expr(plan.lda)}, {pb}, {c_expr(plan.ldb)}, "
+                f"{pc}, {c_expr(plan.ldc)});")
 
     def pointer(which: str, idx: int) -> str:
         return operand_pointer(operand[which], [(x, s[idx]) for x, *s in plan.batch], em.split)
