@@ -18,7 +18,7 @@
 // VDPBF16PS; attention_forward_bf16 chooses.
 #pragma once
 
-#include <mkl_cblas.h>
+#include "substation_blas.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -35,20 +35,6 @@ template <typename T>
 static inline int64_t attention_block_rows(int64_t J, int64_t K) {
   const int64_t rows = ATTENTION_BLOCK_BYTES / (2 * (int64_t)sizeof(T) * std::max<int64_t>(K, 1));
   return std::max<int64_t>(1, std::min<int64_t>(J, std::max<int64_t>(rows, 8)));
-}
-
-// One GEMM on the calling thread through BLAS, row-major, beta 0: C = alpha A op(B) (the path without
-// AVX-512, and every double build).
-static inline void attention_blas(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                                  int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, 0.0f,
-              c, ldc);
-}
-
-static inline void attention_blas(bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
-                                  int64_t lda, const double* b, int64_t ldb, double* c, int64_t ldc) {
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, 0.0,
-              c, ldc);
 }
 
 // Scores row r of a block: mask, causal mask, max; exponentials into e; returns 1 / their sum (0 when
@@ -155,7 +141,7 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
             gemm_small_packed(false, nj, K, P, alpha, qb, q_ld, pack_k.data(), s.data(), K);
           } else
 #endif
-            attention_blas(true, nj, K, P, alpha, qb, q_ld, kb, k_ld, s.data(), K);
+            blas_gemm(false, true, nj, K, P, alpha, qb, q_ld, kb, k_ld, s.data(), K);
           for (int64_t r = 0; r < nj; ++r)
             inv[r] = attention_exponentials(s.data() + r * K, e.data() + r * K, K, mb, causal, j0 + r);
 #if defined(__AVX512F__)
@@ -163,7 +149,7 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
             gemm_small_packed(false, nj, P, K, 1.0f, e.data(), K, pack_v.data(), yb, y_s[1]);
           } else
 #endif
-            attention_blas(false, nj, P, K, T(1), e.data(), K, vb, v_ld, yb, y_s[1]);
+            blas_gemm(false, false, nj, P, K, T(1), e.data(), K, vb, v_ld, yb, y_s[1]);
           for (int64_t r = 0; r < nj; ++r) {
             T* row = yb + r * y_s[1];
 #pragma omp simd

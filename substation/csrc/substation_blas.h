@@ -18,6 +18,7 @@ namespace ss {
 
 constexpr int64_t kSplitRows = 256;
 
+// One MKL ?gemm call with MKL's own threads (one thread inside a parallel region), row-major, beta 0.
 inline void blas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                       int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha,
