@@ -129,7 +129,7 @@ BAD_CALLS = [
     (lambda l, x: l(x.float()), TypeError, "hidden_states has dtype torch.float32 but the layer was compiled for torch.float64"),
     (lambda l, x: l(x[0]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
     (lambda l, x: l(x[..., :8]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
-    (lambda l, x: l(x[:, :0]), ValueError, "hidden_states must have B >= 1 and J >= 1"),
+    (lambda l, x: l(x[:0, :, :8]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 6, dtype=torch.float64)), ValueError, r"mask must have shape \[B, K\] = \[2, 7\]"),
     (lambda l, x: l(x, key_padding_mask=torch.zeros(2, 7)), TypeError, "key_padding_mask must be a bool tensor"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7), key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "not both"),
@@ -146,6 +146,22 @@ def test_bad_tensors_raise_clear_errors(call, exc, message, tiny):
     layer = make_layer(tiny)
     with pytest.raises(exc, match=message):
         call(layer, x_for(layer))
+
+
+@pytest.mark.parametrize("b,j", [(0, 7), (2, 0)])
+def test_empty_batch_or_sequence_gives_empty_output_and_zero_gradients(tiny_nodrop, b, j):
+    layer = make_layer(tiny_nodrop)
+    x = x_for(layer, b=max(b, 1), j=max(j, 1))[:b, :j].clone().requires_grad_()
+    mask = torch.ones(b, j, dtype=torch.bool)
+    y = layer(x, attention_mask=mask)
+    assert y.shape == (b, j, 16) and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert all(p.grad is not None and p.grad.shape == p.shape and not p.grad.any() for p in layer.parameters())
+    with torch.inference_mode():
+        assert layer.eval()(x.detach()).shape == (b, j, 16)
+    with pytest.raises(TypeError, match="has dtype torch.float32"):  # still checked
+        layer(x.detach().float())
 
 
 def test_mask_on_unmasked_layer_and_wrong_parameter_dtype(tiny):

@@ -386,13 +386,13 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     float32 inputs and float32 (master) parameters, cast inside the operator once per call (the copies
     are kept for backward; parameter gradients reach the float32 parameters). Under autocast a CPU layer
     returns the input's dtype (float32 or bfloat16) and a CUDA one float32 when its parameters are
-    float32, as Hugging Face's ``BertLayer`` does there.
+    float32, as Hugging Face's ``BertLayer`` does there. An empty batch or sequence (B = 0 or J = 0)
+    returns an empty [B, J, I] output (after the same checks) and gives the parameters zero gradients.
 
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
-        ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), an empty batch or
-            sequence, the wrong number of parameters, parameters on the meta device (not yet loaded), or a
-            bad mask (see :func:`check_mask`).
+        ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), the wrong number of
+            parameters, parameters on the meta device (not yet loaded), or a bad mask (see :func:`check_mask`).
         NotImplementedError: forward-mode AD (a tangent on the input, a mask or a parameter); a mask
             that requires grad.
     """
@@ -435,8 +435,6 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     input_dtype = x.dtype
     # Mixed-precision builds take X in float32 (their residual stream, as autocast keeps it).
     x = x.to(ALL_TORCH_DTYPES[boundary_dtype(DTYPE_NAMES[dtype], config.target)])
-    if x.shape[0] == 0 or x.shape[1] == 0:
-        raise ValueError(f"hidden_states must have B >= 1 and J >= 1; got {tuple(x.shape)}")
     names = compiled.parameter_names
     if len(params) != len(names):
         raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
@@ -464,6 +462,15 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         if key_padding_mask is not None and (mask.dtype != torch.bool or mask.dim() != 2):
             raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), got {mask.dtype} "
                             f"{tuple(mask.shape)}")
+    # Under autocast the output has the dtype Hugging Face's layer gives there: on the CPU the input's
+    # (CPU autocast leaves the residual add and layer norm in their inputs' dtype), on CUDA float32 when
+    # the parameters are float32 masters (CUDA autocast runs layer norm in float32).
+    out_dtype = dtype
+    if cast:
+        out_dtype = input_dtype if device_type == "cpu" else (
+            torch.float32 if flat and all(p.dtype == torch.float32 for p in flat) else dtype)
+    if b == 0 or j == 0:  # nothing to compute: an empty output; the parameters get zero gradients, as in PyTorch
+        return sum((p.flatten()[:0].sum() for p in flat), x.to(out_dtype).clone())
     training = training and any(v > 0 for v in config.dropout.probabilities())
     seed = torch.randint(0, 2 ** 62, (1,)) if training else _NO_SEED
     # torch.jit.trace records the choice as a constant and checks it under no_grad: a traced call
@@ -480,15 +487,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     outputs = op(compiled.key, x.contiguous(), mask, key_padding_mask is None,
                              [p if p.is_contiguous() else p.contiguous() for p in flat], seed, training,
                              forward_only, bf16_autocast, parts)
-    # Under autocast the output has the dtype Hugging Face's layer gives there: on the CPU the input's
-    # (CPU autocast leaves the residual add and layer norm in their inputs' dtype), on CUDA float32 when
-    # the parameters are float32 masters (CUDA autocast runs layer norm in float32).
-    if cast:
-        if device_type == "cpu":
-            return outputs[0].to(input_dtype)
-        if flat and all(p.dtype == torch.float32 for p in flat):
-            return outputs[0].float()
-    return outputs[0].to(dtype)
+    return outputs[0].to(out_dtype)
 
 
 def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
