@@ -39,7 +39,7 @@ from ..ir.operands import dim_symbol, resolve_operand, stride_order
 from ..ops import op_kind, op_space
 
 __all__ = ["RowKernelModel", "RowEmitter", "RowSweep", "REDUCTIONS", "ROW_INDEXED_CANDIDATES", "build_row_kernel",
-           "is_row_kernel", "kernel_members", "row_indexed_tensors", "row_kernel_space", "row_pitch"]
+           "is_row_kernel", "kernel_members", "row_indexed_tensors", "row_kernel_models", "row_kernel_space", "row_pitch"]
 
 #: Row reductions of an accumulator: its initial value's name and the update it takes.
 REDUCTIONS = ("sum", "max")
@@ -171,16 +171,21 @@ def row_pitch(graph: LayerGraph, tensor: str, access: str, rows: tuple) -> objec
     return pitch if sympy.simplify(sum(s * (dim_symbol(c) - 1) for c, s in inner.items()) + 1 - pitch) == 0 else None
 
 
-def row_indexed_tensors(graph: LayerGraph) -> tuple[str, ...]:
+def row_kernel_models(graph: LayerGraph) -> dict:
+    """Operator -> :class:`RowKernelModel` of every row kernel (EW or SN operator) of ``graph``."""
+    return {op: build_row_kernel(graph, op) for op in graph.operators() if is_row_kernel(op)}
+
+
+def row_indexed_tensors(graph: LayerGraph, kernels: dict | None = None) -> tuple[str, ...]:
     """Which of X and Y the library of a forward-only graph (no tensor saved for backward) reads or
     writes through a row index, so that packed batches need no gather or scatter copy
     (:func:`substation.runtime.packing.run_packed`): X when only row kernels read it, Y when a row
     kernel writes it, each with rows (b, j) that are dense rows of the tensor (:func:`row_pitch`).
-    A training graph's: none."""
+    A training graph's: none. ``kernels``: :func:`row_kernel_models` of ``graph`` when already built."""
     if not graph.forward_only:
         return ()
     ops = graph.operators()
-    kernels = {op: build_row_kernel(graph, op) for op in ops if is_row_kernel(op)}
+    kernels = row_kernel_models(graph) if kernels is None else kernels
     out = []
     for name in ROW_INDEXED_CANDIDATES:
         users = [op for op in ops if name in {t for t, _ in graph.operands(op).values()}]

@@ -37,7 +37,7 @@ from ...config import ITEMSIZES
 from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import Operand, c_expr, dim_size, linear_index, resolve_operand, split_stack_params
 from ..common import stat_tensors, workspace_slots
-from ..rowkernel import ROW_INDEXED_CANDIDATES, RowEmitter, RowKernelModel, build_row_kernel, row_indexed_tensors, row_pitch
+from ..rowkernel import ROW_INDEXED_CANDIDATES, RowEmitter, RowKernelModel, row_indexed_tensors, row_kernel_models, row_pitch
 from .contraction import check_fp32_gemm, emit_attention, emit_contraction, links_onednn
 
 __all__ = ["generate_cpu", "tensor_dtypes"]
@@ -57,7 +57,8 @@ class _Emitter:
         self.T = _COMPUTE[self.cfg.dtype]
         self.dtypes = tensor_dtypes(graph)
         self.split = frozenset(split_stack_params(graph))  # parameters given as per-T pointer tables
-        self.row_indexed = row_indexed_tensors(graph)  # read / written through X_rows / Y_rows
+        self.row_models = row_kernel_models(graph)  # built once: row_indexed_tensors and emit read them
+        self.row_indexed = row_indexed_tensors(graph, self.row_models)  # read / written through X_rows / Y_rows
         self.lines: list[str] = []
         self.indent = 1
 
@@ -107,7 +108,7 @@ class _Emitter:
         elif op.kind == "attention":
             emit_attention(self, op, self.operands(op))
         else:
-            _RowKernel(self, build_row_kernel(self.graph, op)).emit()
+            _RowKernel(self, self.row_models[op]).emit()
         if timer is not None:
             self.w(f"g_op_seconds[{timer}] += omp_get_wtime() - t0_;")
         self.indent -= 1
