@@ -129,6 +129,17 @@ def test_bench_no_compile_overrides_and_reference_eager():
     assert "torch.compile skipped" in text
 
 
+def test_bench_padding_keeps_a_real_token_in_every_row():
+    from substation.perf.baselines import padded_positions
+    for b in range(1, 4):
+        for j in range(1, 9):
+            pad = padded_positions(b, j)
+            assert pad.shape == (b, j) and not pad.all(dim=1).any()
+            assert int(pad.sum()) == (b - b // 2) * (j - max(1, 3 * j // 4))
+    r = bench.run_bench(load_config("tiny"), repeats=1, warmup=0, batch_size=1, seq_len=1, include_compile=False)
+    check_bench_json(r, ["substation", "eager"], 1, 1, 1)
+
+
 def test_bench_float32_on_onednn_gemms(tmp_path, capsys):
     """--fp32-gemm reaches the build and the limit's GEMM rate; where it does not apply it is refused."""
     js = tmp_path / "b.json"

@@ -15,10 +15,11 @@ HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "rel
 
 def padded_positions(batch: int, seq: int):
     """The benchmarks' padding as a bool [B, K] tensor (True = padding): batch rows ``B // 2`` and up
-    are padded from position ``3 * seq // 4`` on (with B = 1 that is the only row). Raises nothing."""
+    are padded from position ``max(1, 3 * seq // 4)`` on (with B = 1 that is the only row; every row
+    keeps at least one real token, so J = 1 is not padded). Raises nothing."""
     import torch
     pad = torch.zeros(batch, seq, dtype=torch.bool)
-    pad[batch // 2:, (3 * seq) // 4:] = True
+    pad[batch // 2:, max(1, (3 * seq) // 4):] = True
     return pad
 
 

@@ -240,7 +240,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         "mode": mode,
         "dropout": dataclasses.asdict(config.dropout),
         "mask": (None if mask is None else
-                 f"additive key mask [B, K]: rows {b // 2}..{b - 1} padded from position {(3 * j) // 4} on"),
+                 f"additive key mask [B, K]: rows {b // 2}..{b - 1} padded from position {max(1, (3 * j) // 4)} on"),
         "threads": threads,
         "machine": {**machine, "load_average_after": _load()},
         "repeats": repeats, "warmup": warmup,

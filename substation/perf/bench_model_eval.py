@@ -291,7 +291,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
             "speedup_vs_ort": ratio("ort")}
     return {"batch_size": batch, "seq_len": seq, "padded": batch > 1,
             "tokens": int(real.sum()),
-            "mask": (f"rows {batch // 2}..{batch - 1} padded from position {(3 * seq) // 4} on" if batch > 1
+            "mask": (f"rows {batch // 2}..{batch - 1} padded from position {max(1, (3 * seq) // 4)} on" if batch > 1
                      else "none (one sequence)"),
             "implementations": info, **per_api}
 
