@@ -11,7 +11,7 @@ import sys
 import time
 
 from .backends.cpu.contraction import FP32_GEMM_LIBRARIES, float32_gemm_library
-from .files import OutputError, check_output_dir, publish_dir, publish_files
+from .files import OutputError, check_output_dir, check_writable, publish_dir, publish_files
 
 __all__ = ["main"]
 
@@ -197,6 +197,7 @@ def cmd_graphs(args) -> int:
     from .pipeline import compile_graphs
 
     names = args.configs or list(REFERENCE_CONFIGS)
+    check_writable(args.out, "--out", into=True)  # before the work
 
     def write(tmp):
         for name in names:
@@ -371,7 +372,7 @@ def cmd_tune(args) -> int:
     if args.target != config.target:
         print(f"substation: error: --target {args.target} but the config targets {config.target}", file=sys.stderr)
         return 2
-    out = args.out or f"{config.name}.plan.json"
+    out = check_writable(args.out or f"{config.name}.plan.json", "--out")  # before the measurements
     result = tune(config, fuse=not args.no_fuse, budget_s=args.budget, repeats=args.repeats,
                   log=lambda s: print(s, file=sys.stderr))
     result.plan.save(out)
@@ -401,8 +402,8 @@ def cmd_compare_layouts(args) -> int:
           f"(outputs agree to {r['max_rel_diff']:.1e})")
     print(f"layout_speedup {r['layout_speedup']:.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+        from .perf.bench_report import write_json
+        write_json(r, args.json)
         print(f"wrote {args.json}")
     return 0
 
@@ -537,8 +538,11 @@ def main(argv=None) -> int:
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
     try:
+        for flag in ("json", "plot"):  # checked before the work: a refused output costs nothing
+            if getattr(args, flag, None):
+                check_writable(getattr(args, flag), f"--{flag}")
         return args.func(args)
-    except (ConfigError, FileNotFoundError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible,
+    except (ConfigError, OSError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible,
             OutputError) as e:
         print(f"substation: error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import yaml
 
@@ -37,10 +37,20 @@ class ConfigError(ValueError):
 
 
 def _yaml_loader() -> type:
-    """A safe YAML loader that also reads ``1e-12`` (no dot) as a float, as YAML 1.2 does."""
+    """A safe YAML loader that also reads ``1e-12`` (no dot) as a float, as YAML 1.2 does, and refuses a
+    key given twice in one mapping (PyYAML would keep the last one silently)."""
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found the key {key!r} twice", key_node.start_mark)
+                if isinstance(key, Hashable):
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
 
     float_re = re.compile(
         r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -197,7 +207,10 @@ class EncoderConfig:
             raise ConfigError(f"layer_norm_eps: must be a positive finite number, got {eps!r}")
         object.__setattr__(self, "layer_norm_eps", float(eps))
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
-            raise ConfigError(f"name: must be a non-empty string of letters, digits, '_', '.', '-'; got {self.name!r}")
+            quote = " (in YAML, quote a name that reads as a number: name: \"123\")" if isinstance(
+                self.name, (int, float)) and not isinstance(self.name, bool) else ""
+            raise ConfigError(f"name: must be a non-empty string of letters, digits, '_', '.', '-'; got "
+                              f"{self.name!r}{quote}")
 
     @property
     def itemsize(self) -> int:
@@ -298,6 +311,8 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
             data = yaml.load(f, Loader=_Loader)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a config is a YAML file") from None
     if data is not None and isinstance(data, Mapping) and "name" not in data:
         data = dict(data, name=os.path.splitext(os.path.basename(path))[0])
     return EncoderConfig.from_dict(data if data is not None else {})

@@ -6,7 +6,8 @@ import shutil
 import tempfile
 from typing import Callable
 
-__all__ = ["OutputError", "OUTPUT_MARKER", "atomic_write", "atomic_write_text", "publish_dir", "publish_files"]
+__all__ = ["OutputError", "OUTPUT_MARKER", "atomic_write", "atomic_write_text", "check_output_dir", "check_writable",
+           "publish_dir", "publish_files"]
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
@@ -46,14 +47,35 @@ class OutputError(ValueError):
     """An output path that Substation will not overwrite."""
 
 
+def check_writable(path: str, what: str, into: bool = False) -> str:
+    """``path`` as an absolute path, after checking that it can be written: the folder that will hold
+    it (``path`` itself with ``into``: files are written inside it) or, where that does not exist yet,
+    its nearest existing ancestor, is a folder this process may write. Callers ask before long work.
+
+    Raises:
+        OutputError: that folder is not writable (permissions, a read-only file system) or is a file.
+    """
+    path = os.path.abspath(path)
+    folder = path if into else os.path.dirname(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise OutputError(f"{what} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {path}: the folder {folder} is not writable (permissions or a read-only "
+                          f"file system)")
+    return path
+
+
 def check_output_dir(out: str) -> str:
     """``out`` as an absolute path, after checking that :func:`publish_dir` may replace it (callers ask
     before long work, so a refused ``--out`` costs nothing).
 
     Raises:
-        OutputError: ``out`` exists and is a file, or a non-empty folder that Substation did not write.
+        OutputError: ``out`` exists and is a file, or a non-empty folder that Substation did not write;
+            the folder that will hold ``out`` is not writable (:func:`check_writable`).
     """
-    out = os.path.abspath(out)
+    out = check_writable(out, "--out")
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise OutputError(f"--out {out} is an existing file; choose a folder")
@@ -96,11 +118,12 @@ def publish_files(build, folder: str) -> list[str]:
     files in ``folder`` are left alone. Returns the names written.
 
     Raises:
-        OutputError: ``folder`` is an existing file.
+        OutputError: ``folder`` is an existing file or cannot be written (:func:`check_writable`).
     """
     folder = os.path.abspath(folder)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise OutputError(f"--out {folder} is an existing file; choose a folder")
+    check_writable(folder, "--out", into=True)
     os.makedirs(folder, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder)
     try:

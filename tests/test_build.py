@@ -51,6 +51,28 @@ def test_corrupted_entry_is_rebuilt(cache):
     assert ctypes.CDLL(again.path).answer() == 3
 
 
+def test_entry_replaced_by_a_file_is_rebuilt_without_leftovers(cache):
+    key = build.build_key(SOURCE % 5)
+    os.makedirs(cache)
+    (cache / key).write_text("not a cache entry")
+    result = build_library(SOURCE % 5, "t")
+    assert not result.cached and os.path.isdir(cache / key) and os.listdir(cache) == [key]
+    import ctypes
+    assert ctypes.CDLL(result.path).answer() == 5
+
+
+def test_unwritable_cache_names_the_folder_on_a_miss_and_serves_hits(cache, monkeypatch):
+    hit = build_library(SOURCE % 6, "t")
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    assert build_library(SOURCE % 6, "t").path == hit.path
+    with pytest.raises(BuildError, match=f"the build cache folder {cache} is not writable .*SUBSTATION_CACHE_DIR"):
+        build_library(SOURCE % 7, "t")
+
+
 def test_interrupted_build_leaves_nothing_loadable(cache):
     """A build killed before publication leaves only a private temporary folder, never an entry."""
     key = build.build_key(SOURCE % 4)

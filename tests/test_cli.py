@@ -77,6 +77,29 @@ def test_outputs_never_replace_foreign_files(tmp_path, capsys, monkeypatch):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
+def test_unwritable_outputs_are_refused_before_the_work(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if os.fspath(path) == str(locked)
+                        else real_access(path, mode, **kw))  # as a read-only mount (root ignores chmod)
+    import substation.pipeline
+    import substation.perf.tune
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("worked before checking the output")
+    monkeypatch.setattr(substation.pipeline, "compile_layer", no_work)
+    monkeypatch.setattr(substation.pipeline, "compile_graphs", no_work)
+    monkeypatch.setattr(substation.perf.tune, "tune", no_work)
+    for argv in (["compile", "tiny", "--out", str(locked / "new" / "deeper")], ["graphs", "tiny", "--out", str(locked)],
+                 ["tune", "tiny", "--out", str(locked / "p.json")], ["report", "tiny", "--json", str(locked / "r.json")],
+                 ["bench", "tiny", "--json", str(locked / "b.json")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"the folder {locked} is not writable" in err, (argv, err)
+    assert os.listdir(locked) == []
+
+
 def test_graphs_and_errors(tmp_path, capsys):
     assert main(["graphs", "tiny", "--out", str(tmp_path / "g")]) == 0
     assert sorted(os.listdir(tmp_path / "g")) == ["tiny.backward.fused.sdfg", "tiny.backward.sdfg",

@@ -68,6 +68,24 @@ def test_yaml_errors(tmp_path):
         load_config(notmap)
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(binary)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("hidden_size: 16\nnum_heads: 4\nhidden_size: 32\n")
+    with pytest.raises(ConfigError, match="found the key 'hidden_size' twice"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("dropout: {attention: 0.1, attention: 0.2}\n")
+    with pytest.raises(ConfigError, match="found the key 'attention' twice"):
+        load_config(nested)
+    number = tmp_path / "number.yaml"
+    number.write_text("name: 123\n")
+    with pytest.raises(ConfigError, match='quote a name that reads as a number'):
+        load_config(number)
+    number.write_text('name: "123"\n')
+    assert load_config(number).name == "123"
 
 
 def test_yaml_exponent_without_dot_is_float(tmp_path):

@@ -409,6 +409,15 @@ def test_measurements_are_cached_and_resumable(tmp_path, tiny_graphs):
     assert time.perf_counter() - t0 < 1.0  # nothing rebuilt or re-measured
 
 
+def test_a_budget_too_small_to_measure_says_so(tmp_path):
+    from substation.perf import tune as T
+    lines = []
+    result = T.tune("tiny", budget_s=30.0, verify=0, cache_path=str(tmp_path / "cache.json"), progress=False,
+                    log=lines.append)
+    assert result.report["measured_candidates"] == 0 and result.plan is not None
+    assert any("a budget of 30 s leaves no time to measure" in line for line in lines), lines
+
+
 def test_dropout_masks_do_not_depend_on_layouts(tiny_graphs):
     """Train mode with dropout: a non-default plan (layouts, transposes, other vectorized letters)
     draws the same masks, so outputs and gradients agree to rounding."""

@@ -498,6 +498,14 @@ def test_exported_and_traced_programs_outlive_their_layer(tiny_nodrop):
             assert (program(x) - want).abs().max() < 1e-12, capture
 
 
+def test_second_order_gradients_raise_a_clear_error(tiny_nodrop):
+    layer = make_layer(tiny_nodrop).train()
+    x = x_for(layer).requires_grad_()
+    g, = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)  # first order works
+    with pytest.raises(NotImplementedError, match="second-order gradients through Substation's layers"):
+        g.pow(2).sum().backward()
+
+
 def test_forward_mode_ad_and_vmap_raise_and_the_profiler_sees_the_operator(tiny_nodrop):
     """Forward-mode AD (torch.func.jvp, forward_ad) has no rule: a clear NotImplementedError instead
     of a silently dropped tangent; vmap reaches the operator and names it; an eager inference call

@@ -340,6 +340,11 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
     analytic = solve(problem, time_limit)
     if verify:  # keep time for compiling and timing the two layers at the end
         deadline -= 60.0 + 2 * verify * (analytic.default_seconds or 0.0)
+    if deadline <= time.perf_counter():
+        say(f"warning: a budget of {budget_s:.0f} s leaves no time to measure (90 s are kept for the solves"
+            + (f", {60.0 + 2 * verify * (analytic.default_seconds or 0.0):.0f} s for the end-to-end check"
+               if verify else "") + f", {time.perf_counter() - t_start:.0f} s went to calibration): the plan "
+            "rests on model costs alone; give a larger budget")
     ops = {f"{g.phase}/{op.label}": (g, op) for g in (fwd, bwd) for op in g.operators()}
     fps = {k: _fingerprint(g, op) for k, (g, op) in ops.items()}
     measured: dict[str, dict[str, tuple[Candidate, dict]]] = {k: {} for k in ops}  # op -> cache key -> cand

@@ -279,6 +279,16 @@ def _layer_grad(ctx, grads):
 torch.library.register_autograd("substation::layer_forward", _layer_grad, setup_context=_layer_setup_context)
 
 
+def _second_order(ctx, grads):
+    raise NotImplementedError("second-order gradients through Substation's layers (backward of a gradient "
+                              "taken with create_graph=True, e.g. a gradient penalty or torch.autograd.functional."
+                              "hessian) are not implemented; first-order .backward() and torch.autograd.grad work")
+
+
+torch.library.register_autograd("substation::layer_backward", _second_order,
+                                setup_context=lambda ctx, inputs, output: None)
+
+
 def _autocast_casts(device_type: str, dtype: torch.dtype) -> bool:
     """Whether a layer of ``dtype`` casts float32 inputs and parameters to its dtype: autocast is
     enabled for ``device_type`` and the layer is float16 or bfloat16 (it always computes in its

@@ -259,13 +259,24 @@ def _valid(entry: str) -> bool:
         return False
 
 
+def _remove(path: str) -> None:
+    """Delete a folder tree or a file (a cache entry may have been replaced by a file), ignoring errors."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def _discard(entry: str) -> None:
     trash = f"{entry}.trash-{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(entry, trash)
     except OSError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    _remove(trash)
 
 
 def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None:
@@ -276,7 +287,7 @@ def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None
         if name.startswith(".tmp-") or ".trash-" in name:
             try:
                 if now - os.path.getmtime(path) > age_seconds:
-                    shutil.rmtree(path, ignore_errors=True)
+                    _remove(path)
             except OSError:
                 pass
 
@@ -311,7 +322,8 @@ def cached_build(key: str, label: str, source: str, filename: str, command, mani
     (the compiler's argv) in a private folder and published with one rename.
 
     Raises:
-        BuildError: the compiler failed or wrote no library (nothing is written to the cache).
+        BuildError: the compiler failed or wrote no library (nothing is written to the cache); the cache
+            folder is not writable and has no valid entry ``key``.
     """
     root = cache_dir()
     entry = os.path.join(root, key)
@@ -320,7 +332,11 @@ def cached_build(key: str, label: str, source: str, filename: str, command, mani
             return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
         _discard(entry)
     _remove_stale_temporaries(root)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{label}-", dir=root)
+    except OSError as e:
+        raise BuildError(f"cannot build {label}: the build cache folder {root} is not writable ({e.strerror}) and "
+                         f"holds no build of it; set SUBSTATION_CACHE_DIR to a writable folder") from None
     try:
         src = os.path.join(tmp, filename)
         with open(src, "w") as f:
