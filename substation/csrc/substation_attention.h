@@ -97,7 +97,7 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
 #else
   constexpr bool packed = false;
 #endif
-#pragma omp parallel
+#pragma omp parallel if (B * H * J * K * P >= kParallelMinElements)  // multiply-adds of the scores
   {
     std::vector<T> s((size_t)(rows * K)), e((size_t)(rows * K)), inv((size_t)rows);
     // with biases: the block's biased queries, and (BLAS path) the head's biased keys and values
@@ -367,7 +367,7 @@ static inline void attention_forward_dp(int64_t B, int64_t H, int64_t J, int64_t
                                         const bf16_t* v, const int64_t* v_s, const bf16_t* mask, int64_t mask_b,
                                         bool causal, bf16_t* y, const int64_t* y_s) {
   const int64_t Kp = (K + 31) / 32 * 32, pairs = (P + 1) / 2, key_pairs = (K + 1) / 2, width = (P + 31) / 32 * 32;
-#pragma omp parallel
+#pragma omp parallel if (B * H * J * K * P >= kParallelMinElements)  // multiply-adds of the scores
   {
     std::vector<uint32_t> kt((size_t)(Kp * pairs));
     std::vector<bf16_t> vt((size_t)(key_pairs * width * 2)), pr((size_t)(DP_ROWS * Kp)),
@@ -490,7 +490,7 @@ static inline void attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_
                                         const bf16_t* v, const int64_t* v_s, const bf16_t* mask, int64_t mask_b,
                                         bool causal, bf16_t* y, const int64_t* y_s) {
   const int64_t Kp = (K + 31) / 32 * 32, Pp = (P + 31) / 32 * 32, key_blocks = Kp / 16, col_blocks = Pp / 16;
-#pragma omp parallel
+#pragma omp parallel if (B * H * J * K * P >= kParallelMinElements)  // multiply-adds of the scores
   {
     const AmxConfig config;
     _tile_loadconfig(&config);

@@ -14,6 +14,11 @@
 
 namespace ss {
 
+// Row kernels over fewer elements (attention: fewer multiply-adds of the scores) run on the calling
+// thread alone (PyTorch's at::internal::GRAIN_SIZE): a parallel region costs about what such a kernel
+// saves, and on a loaded machine each one can wait a scheduler time slice for a descheduled thread.
+constexpr int64_t kParallelMinElements = 32768;
+
 // The message of the last failed library call on this thread (exported as substation_last_error()).
 inline std::string& last_error() {
   static thread_local std::string message;

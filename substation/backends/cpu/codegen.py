@@ -435,7 +435,7 @@ class _RowKernel(RowEmitter):
         if ncol:
             self.w("const int nth_ = omp_get_max_threads();")
             self.w(f"std::vector<double> part_((size_t)nth_ * {ncol} * nn_, 0.0);")
-        self.w("#pragma omp parallel")
+        self.w("#pragma omp parallel if (nrows_ * nn_ >= ss::kParallelMinElements)")
         self.w("{")
         self.em.indent += 1
         self.w("const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads(); (void)t_;")
