@@ -260,12 +260,6 @@ static inline float normal_cdf_with_gauss(float x, float gauss) {
   return x >= 0.0f ? 1.0f - q : q;
 }
 
-static inline float tanh_(float x) {
-  const float e = exp_(2.0f * std::min(std::max(x, -44.0f), 44.0f));
-  return 1.0f - 2.0f / (e + 1.0f);
-}
-static inline double tanh_(double x) { return std::tanh(x); }
-
 static inline float gelu(float x) { return x * normal_cdf_with_gauss(x, exp_(-0.5f * x * x)); }
 static inline double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x * 0.70710678118654752440)); }
 // GELU'(x) = Phi(x) + x phi(x); for float, Phi reuses phi's exp(-x^2 / 2).
@@ -277,14 +271,22 @@ static inline double gelu_grad(double x) {
   const double cdf = 0.5 * (1.0 + std::erf(x * 0.70710678118654752440));
   return cdf + x * std::exp(-0.5 * x * x) * 0.39894228040143267794;
 }
+// GELU's tanh form, 0.5 x (1 + tanh(u)) with u = c (x + 0.044715 x^3), as x s with the logistic
+// s = e / (e + 1) = (1 + tanh(u)) / 2, e = exp(2u) (u clamped where e would overflow); its gradient
+// s + 2 x s (1 - s) u' takes 1 - s = 1 / (e + 1) directly, where 1 - tanh(u)^2 from a rounded tanh lost
+// its digits near |tanh| = 1 (float: max error 2.0e-6 and interval means 1e-7, biased; now 1.1e-7 and 9e-9).
 template <typename T> static inline T gelu_tanh(T x) {
-  const T c = T(0.79788456080286535588);  // sqrt(2 / pi)
-  return T(0.5) * x * (T(1) + tanh_(c * (x + T(0.044715) * x * x * x)));
+  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);  // c = sqrt(2 / pi)
+  const T lim = sizeof(T) == 4 ? T(44) : T(350);
+  const T e = exp_(T(2) * std::min(std::max(u, -lim), lim));
+  return x * (e / (e + T(1)));
 }
 template <typename T> static inline T gelu_tanh_grad(T x) {
-  const T c = T(0.79788456080286535588);
-  const T t = tanh_(c * (x + T(0.044715) * x * x * x));
-  return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * c * (T(1) + T(3) * T(0.044715) * x * x);
+  const T c = T(0.79788456080286535588), u = c * (x + T(0.044715) * x * x * x);
+  const T lim = sizeof(T) == 4 ? T(44) : T(350);
+  const T e = exp_(T(2) * std::min(std::max(u, -lim), lim));
+  const T r = T(1) / (e + T(1)), s = e * r;
+  return s + T(2) * x * s * r * c * (T(1) + T(3) * T(0.044715) * x * x);
 }
 template <typename T> static inline T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> static inline T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }

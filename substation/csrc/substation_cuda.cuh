@@ -258,8 +258,6 @@ SS_HD float exp_(float x) { return expf(x); }
 SS_HD double exp_(double x) { return exp(x); }
 SS_HD float erf_(float x) { return erff(x); }
 SS_HD double erf_(double x) { return erf(x); }
-SS_HD float tanh_(float x) { return tanhf(x); }
-SS_HD double tanh_(double x) { return tanh(x); }
 SS_HD float max_(float a, float b) { return fmaxf(a, b); }
 SS_HD double max_(double a, double b) { return fmax(a, b); }
 SS_HD float rsqrt_(float x) { return 1.0f / sqrtf(x); }
@@ -271,14 +269,20 @@ template <typename T> SS_HD T gelu_grad(T x) {
   const T pdf = exp_(T(-0.5) * x * x) * T(0.39894228040143267794);
   return cdf + x * pdf;
 }
+// GELU's tanh form as x s, s = e / (e + 1) = (1 + tanh(u)) / 2 with e = exp(2u); the gradient takes
+// 1 - s = 1 / (e + 1) directly (1 - tanh(u)^2 loses its digits near |tanh| = 1); as substation_cpu.h.
 template <typename T> SS_HD T gelu_tanh(T x) {
-  const T c = T(0.79788456080286535588);  // sqrt(2 / pi)
-  return T(0.5) * x * (T(1) + tanh_(c * (x + T(0.044715) * x * x * x)));
+  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);  // c = sqrt(2 / pi)
+  const T lim = sizeof(T) == 4 ? T(44) : T(350);
+  const T e = exp_(T(2) * fmin(fmax(u, -lim), lim));
+  return x * (e / (e + T(1)));
 }
 template <typename T> SS_HD T gelu_tanh_grad(T x) {
-  const T c = T(0.79788456080286535588);
-  const T t = tanh_(c * (x + T(0.044715) * x * x * x));
-  return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * c * (T(1) + T(3) * T(0.044715) * x * x);
+  const T c = T(0.79788456080286535588), u = c * (x + T(0.044715) * x * x * x);
+  const T lim = sizeof(T) == 4 ? T(44) : T(350);
+  const T e = exp_(T(2) * fmin(fmax(u, -lim), lim));
+  const T r = T(1) / (e + T(1)), s = e * r;
+  return s + T(2) * x * s * r * c * (T(1) + T(3) * T(0.044715) * x * x);
 }
 template <typename T> SS_HD T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> SS_HD T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }
