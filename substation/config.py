@@ -313,7 +313,8 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a config is a YAML file") from None
-    if data is not None and isinstance(data, Mapping) and "name" not in data:
+    data = {} if data is None else data  # an empty file: every default
+    if isinstance(data, Mapping) and "name" not in data:
         data = dict(data, name=os.path.splitext(os.path.basename(path))[0])
-    return EncoderConfig.from_dict(data if data is not None else {})
+    return EncoderConfig.from_dict(data)
 

@@ -1,7 +1,9 @@
-"""Writing outputs safely: files and folders appear whole (one rename) or not at all."""
+"""Writing outputs safely: files and folders appear whole (one rename) or not at all; an output folder that
+cannot be renamed (a mount point) is refilled file by file, after its new contents are complete."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from typing import Callable
@@ -73,39 +75,79 @@ def check_output_dir(out: str) -> str:
 
     Raises:
         OutputError: ``out`` exists and is a file, or a non-empty folder that Substation did not write;
-            the folder that will hold ``out`` is not writable (:func:`check_writable`).
+            neither ``out`` (where it exists) nor the folder that would hold it is writable
+            (:func:`check_writable`).
     """
-    out = check_writable(out, "--out")
+    out = os.path.abspath(out)
     if os.path.exists(out):
         if not os.path.isdir(out):
             raise OutputError(f"--out {out} is an existing file; choose a folder")
         if os.listdir(out) and not os.path.exists(os.path.join(out, OUTPUT_MARKER)):
             raise OutputError(f"refusing to replace {out}: a non-empty folder that substation did not write "
                               f"(no {OUTPUT_MARKER}); choose another --out")
-    return out
+        return check_writable(out, "--out", into=True)  # replaced in place where its parent is not writable
+    return check_writable(out, "--out")
+
+
+def _is_mount_point(path: str) -> bool:
+    """Whether ``path`` is a mount point, bind mounts of a folder onto itself included (Linux lists them in
+    /proc/self/mountinfo; os.path.ismount compares devices and misses them)."""
+    if os.path.ismount(path):
+        return True
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = {line.split()[4] for line in f if len(line.split()) > 4}
+    except OSError:
+        return False
+    decoded = {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p) for p in points}
+    return os.path.realpath(path) in decoded
+
+
+def _replaceable_by_rename(out: str) -> bool:
+    parent = os.path.dirname(out)
+    return not (os.path.exists(out) and (_is_mount_point(out) or not os.access(parent, os.W_OK | os.X_OK)))
 
 
 def publish_dir(build, out: str) -> None:
-    """Fill a fresh folder with ``build(tmpdir)`` and move it to ``out`` in one rename, replacing an
-    old ``out`` only once the new one is complete.
+    """Fill a fresh folder with ``build(tmpdir)`` and put it at ``out``, replacing an old ``out`` only once
+    the new one is complete: with one rename of the new folder, or, where ``out`` cannot be renamed (a
+    mount point such as a container volume, or a folder whose parent is not writable), by deleting the
+    old files and moving the new ones in, each with one rename.
 
     Raises:
-        OutputError: as :func:`check_output_dir`.
+        OutputError: as :func:`check_output_dir`; the temporary folder cannot be created.
     """
     out = check_output_dir(out)
-    parent = os.path.dirname(out)
+    in_place = not _replaceable_by_rename(out)
+    parent = out if in_place else os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot create a folder in {parent} ({e.strerror})") from None
     os.chmod(tmp, 0o755)
     try:
         build(tmp)
         with open(os.path.join(tmp, OUTPUT_MARKER), "w") as f:
             f.write("written by substation; `substation compile --out` replaces this folder as a whole\n")
-        if os.path.exists(out):
+        if in_place:
+            for name in os.listdir(out):
+                path = os.path.join(out, name)
+                if path == tmp:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(out, name))
+        elif os.path.exists(out):
             trash = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.rename(out, os.path.join(trash, "old"))
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.rename(out, os.path.join(trash, "old"))
+                os.rename(tmp, out)
+            finally:
+                shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, out)
     finally:
@@ -125,7 +167,10 @@ def publish_files(build, folder: str) -> list[str]:
         raise OutputError(f"--out {folder} is an existing file; choose a folder")
     check_writable(folder, "--out", into=True)
     os.makedirs(folder, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder)
+    try:
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=folder)
+    except OSError as e:
+        raise OutputError(f"--out {folder}: cannot create a folder there ({e.strerror})") from None
     try:
         build(tmp)
         names = sorted(os.listdir(tmp))

@@ -77,6 +77,27 @@ def test_outputs_never_replace_foreign_files(tmp_path, capsys, monkeypatch):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
+def test_an_output_folder_that_cannot_be_renamed_is_refilled_in_place(tmp_path, monkeypatch):
+    """A mount point (a container volume) or a folder under a read-only parent: publish_dir replaces its
+    files instead of renaming it, and leaves nothing next to it."""
+    from substation import files
+    out = tmp_path / "volume"
+
+    def write(names):
+        def build(tmp):
+            for n in names:
+                with open(os.path.join(tmp, n), "w") as f:
+                    f.write(n)
+        return build
+    assert files._is_mount_point("/") and not files._is_mount_point(str(tmp_path))
+    files.publish_dir(write(["a.txt", "b.txt"]), str(out))
+    monkeypatch.setattr(files, "_is_mount_point", lambda path: os.path.abspath(path) == str(out))
+    os.mkdir(out / "sub")
+    files.publish_dir(write(["b.txt", "c.txt"]), str(out))
+    assert sorted(os.listdir(out)) == [files.OUTPUT_MARKER, "b.txt", "c.txt"]
+    assert os.listdir(tmp_path) == ["volume"]
+
+
 def test_unwritable_outputs_are_refused_before_the_work(tmp_path, capsys, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()

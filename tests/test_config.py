@@ -86,6 +86,9 @@ def test_yaml_errors(tmp_path):
         load_config(number)
     number.write_text('name: "123"\n')
     assert load_config(number).name == "123"
+    empty = tmp_path / "empty-file.yaml"
+    empty.write_text("# nothing but a comment\n")
+    assert load_config(empty).name == "empty-file"  # the file's name, as for any file without a name key
 
 
 def test_yaml_exponent_without_dot_is_float(tmp_path):

@@ -659,6 +659,7 @@ def test_optimize_twice_and_a_layer_under_two_names():
     optimize(shared)
     assert shared.encoder.layer[0] is shared.encoder.layer[1]
     assert isinstance(shared.encoder.layer[1], SubstationLayer)
+    assert shared.substation_summary.replaced == {"BertLayer": 1}  # one layer object, under two names
 
 
 @pytest.mark.parametrize("override, text", [

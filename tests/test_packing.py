@@ -293,6 +293,20 @@ def test_varlen_rejects_bad_offsets():
             layer.forward_varlen(x, cu)
     with pytest.raises(ValueError, match=r"\[N, I\]"):
         layer.forward_varlen(x.unsqueeze(0), torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match=r"1-D \[B \+ 1\]"):
+        layer.forward_varlen(x, torch.tensor([], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("cu", [[0], [0, 0], [0, 0, 0]])
+def test_varlen_without_tokens_gives_an_empty_output_and_zero_gradients(cu):
+    layer = make_layer(TINY).train()
+    x = torch.zeros(0, TINY.hidden_size, dtype=torch.float64, requires_grad=True)
+    y = layer.forward_varlen(x, torch.tensor(cu))
+    assert y.shape == (0, TINY.hidden_size) and y.dtype == torch.float64
+    y.sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+    with pytest.raises(TypeError, match="dtype torch.float32"):  # still checked
+        layer.forward_varlen(x.detach().float(), torch.tensor(cu))
 
 
 def test_layout_of_a_packed_batch():

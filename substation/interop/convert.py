@@ -75,7 +75,8 @@ class OptimizeSummary:
     """What :func:`optimize` did, kept as ``model.substation_summary``; ``print()`` it.
 
     Attributes:
-        replaced: replaced layer class name -> count.
+        replaced: replaced layer class name -> count of distinct layers (one reachable under several
+            names, shared, counts once and stays shared).
         kept: (module name, class name, one-line reason) of each encoder layer left as it was.
         configs: the distinct :class:`~substation.EncoderConfig` compiled.
         already: layers that were Substation drop-ins before this call (an ``optimize`` run twice).
@@ -186,14 +187,13 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
         if id(module) not in converted:
             converted[id(module)] = replace_with_drop_in(module, family, cached_compile(config, fp32_gemm=fp32_gemm),
                                                        config_overrides)
-    for name, module, _, config in planned:
-        new = converted[id(module)]
+            cls = type(module).__name__
+            summary.replaced[cls] = summary.replaced.get(cls, 0) + 1
+            if config not in summary.configs:
+                summary.configs.append(config)
+    for name, module, _, _ in planned:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        cls = type(module).__name__
-        summary.replaced[cls] = summary.replaced.get(cls, 0) + 1
-        if config not in summary.configs:
-            summary.configs.append(config)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, converted[id(module)])
     summary.already = already
     if other_gemm:
         warnings.warn(f"optimize(fp32_gemm={fp32_gemm!r}): layers that were Substation layers already keep their "

@@ -531,8 +531,8 @@ def run_layer_varlen(compiled: CompiledLayer, hidden_states: torch.Tensor, cu_se
         raise ValueError(f"packed hidden_states must have shape [N, I] with I = {compiled.config.hidden_size}; "
                          f"got {tuple(x.shape)}")
     packed = pack_cu_seqlens(cu_seqlens, x.shape[0], compiled.config)
-    if not packed.groups:  # N = 0
-        return x.clone()
+    if not packed.groups:  # N = 0: run_layer's checks, an empty output, zero parameter gradients
+        return run_layer(compiled, x.view(1, 0, x.shape[1]), params, training).flatten(0, 1)
     gather = packed.gather.to(x.device)
     outputs = []
     for g in packed.groups:

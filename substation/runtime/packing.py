@@ -267,8 +267,9 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
         A :class:`PackedBatch` over the N rows.
 
     Raises:
-        TypeError: not an integer tensor. ValueError: not 1-D with B >= 1, on the meta device, not
-            starting at 0, decreasing, or not ending at N (each its own message, with the offsets).
+        TypeError: not an integer tensor. ValueError: not 1-D [B + 1] (B = 0, ``[0]``, is an empty
+            batch), on the meta device, not starting at 0, decreasing, or not ending at N (each its own
+            message, with the offsets).
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got "
@@ -276,8 +277,9 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
     if cu_seqlens.is_meta:
         raise ValueError("cu_seqlens is on the meta device (no data); pass the offsets on the CPU or on the "
                          "input's device")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D [B + 1] with B >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [B + 1] (offsets starting at 0), got shape "
+                         f"{tuple(cu_seqlens.shape)}")
     offsets = cu_seqlens.cpu().tolist()
     shown = offsets if len(offsets) <= 12 else offsets[:6] + ["..."] + offsets[-6:]
     if offsets[0] != 0:
