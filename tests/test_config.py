@@ -57,33 +57,25 @@ def test_invalid_values_name_key_and_rule(change, message):
     assert message in str(err.value)
 
 
-def test_yaml_errors(tmp_path):
+@pytest.mark.parametrize("content,error,words", [
+    (b"hidden_size: [1,\n", ConfigError, "not valid YAML"),
+    (b"- 1\n- 2\n", ConfigError, "config: must be a mapping"),
+    (b"\xff\xfe\x00", ConfigError, "not UTF-8 text"),
+    (b"hidden_size: 16\nnum_heads: 4\nhidden_size: 32\n", ConfigError, "found the key 'hidden_size' twice"),
+    (b"dropout: {attention: 0.1, attention: 0.2}\n", ConfigError, "found the key 'attention' twice"),
+    (b"name: 123\n", ConfigError, "quote a name that reads as a number"),
+])
+def test_yaml_errors(tmp_path, content, error, words):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("hidden_size: [1,\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    bad.write_bytes(content)
+    with pytest.raises(error, match=words):
         load_config(bad)
-    notmap = tmp_path / "list.yaml"
-    notmap.write_text("- 1\n- 2\n")
-    with pytest.raises(ConfigError, match="config: must be a mapping"):
-        load_config(notmap)
+
+
+def test_yaml_files_without_errors_and_a_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
-    binary = tmp_path / "binary.yaml"
-    binary.write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(ConfigError, match="not UTF-8 text"):
-        load_config(binary)
-    twice = tmp_path / "twice.yaml"
-    twice.write_text("hidden_size: 16\nnum_heads: 4\nhidden_size: 32\n")
-    with pytest.raises(ConfigError, match="found the key 'hidden_size' twice"):
-        load_config(twice)
-    nested = tmp_path / "nested.yaml"
-    nested.write_text("dropout: {attention: 0.1, attention: 0.2}\n")
-    with pytest.raises(ConfigError, match="found the key 'attention' twice"):
-        load_config(nested)
     number = tmp_path / "number.yaml"
-    number.write_text("name: 123\n")
-    with pytest.raises(ConfigError, match='quote a name that reads as a number'):
-        load_config(number)
     number.write_text('name: "123"\n')
     assert load_config(number).name == "123"
     empty = tmp_path / "empty-file.yaml"
