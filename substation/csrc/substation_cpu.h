@@ -240,10 +240,10 @@ static inline float exp_shifted_row(const float* __restrict__ x, float* __restri
 
 // Phi(x), the standard normal CDF, in float: q = Phi(-|x|) = exp(-x^2 / 2) R(t) with t = 1 / (1 + 0.2375 |x|)
 // and R = t P(t), P of degree 9 fitted to q exp(x^2 / 2) (relative error <= 7.5e-9 for |x| <= 2, 2.7e-8
-// up to 14; the form of Abramowitz & Stegun 26.2.17 with more terms); Phi = 1 - q for x >= 0. Its error is float
-// rounding, without sign: the 5-term erf of A&S 7.1.26 (absolute error <= 1.5e-7) was off by a smooth
-// curve, which GELU's inputs summed coherently through the next GEMM. gauss = exp(-x^2 / 2), shared
-// with GELU's gradient.
+// up to 14; the form of Abramowitz & Stegun 26.2.17 with more terms); Phi = 1 - q for x >= 0. Its
+// error is float rounding, without sign: the 5-term erf of A&S 7.1.26 (absolute error <= 1.5e-7) was
+// off by a smooth curve, which GELU's inputs summed coherently through the next GEMM. gauss =
+// exp(-x^2 / 2), shared with GELU's gradient.
 static inline float normal_cdf_with_gauss(float x, float gauss) {
   const float t = 1.0f / (1.0f + 0.2375f * std::fabs(x));
   float r = 0.0271144677f;
@@ -274,7 +274,7 @@ static inline double gelu_grad(double x) {
 // GELU's tanh form, 0.5 x (1 + tanh(u)) with u = c (x + 0.044715 x^3), as x s with the logistic
 // s = e / (e + 1) = (1 + tanh(u)) / 2, e = exp(2u) (u clamped where e would overflow); its gradient
 // s + 2 x s (1 - s) u' takes 1 - s = 1 / (e + 1) directly, where 1 - tanh(u)^2 from a rounded tanh lost
-// its digits near |tanh| = 1 (float: max error 2.0e-6 and interval means 1e-7, biased; now 1.1e-7 and 9e-9).
+// its digits near |tanh| = 1 (float gradient: max error 2.0e-6, interval means 1e-7; now 2.2e-7, 7e-9).
 template <typename T> static inline T gelu_tanh(T x) {
   const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);  // c = sqrt(2 / pi)
   const T lim = sizeof(T) == 4 ? T(44) : T(350);
