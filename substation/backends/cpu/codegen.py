@@ -114,8 +114,8 @@ class _Emitter:
         self.indent -= 1
         self.w("}")
 
-#: Rows a float column reduction sums in float before adding into its double accumulator.
-COLUMN_BLOCK = 32
+#: Rows a float column reduction sums in float before adding into its double accumulator (docs/precision.md).
+COLUMN_BLOCK = 8
 #: Row kernels touch the pages of the row this many rows ahead (:meth:`_RowKernel._prefetch_rows_ahead`).
 PREFETCH_ROWS = 2
 PAGE_BYTES = 4096
