@@ -63,10 +63,20 @@ def check_writable(path: str, what: str, into: bool = False) -> str:
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         raise OutputError(f"{what} {path}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if not os.access(folder, os.W_OK | os.X_OK) or not _can_create_in(folder):
         raise OutputError(f"{what} {path}: the folder {folder} is not writable (permissions or a read-only "
                           f"file system)")
     return path
+
+
+def _can_create_in(folder: str) -> bool:
+    """Whether a folder can be created (and is removed again) in ``folder``: os.access alone passes for
+    root on any mode bits and for file systems such as /proc that refuse new entries."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".substation-probe-", dir=folder))
+        return True
+    except OSError:
+        return False
 
 
 def check_output_dir(out: str) -> str:
