@@ -275,18 +275,17 @@ static inline double gelu_grad(double x) {
 // s = e / (e + 1) = (1 + tanh(u)) / 2, e = exp(2u) (u clamped where e would overflow); its gradient
 // s + 2 x s (1 - s) u' takes 1 - s = 1 / (e + 1) directly, where 1 - tanh(u)^2 from a rounded tanh lost
 // its digits near |tanh| = 1 (float gradient: max error 2.0e-6, interval means 1e-7; now 2.2e-7, 7e-9).
+template <typename T> static inline T gelu_tanh_exp(T x) {  // e = exp(2u), c = sqrt(2 / pi)
+  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x), lim = sizeof(T) == 4 ? T(44) : T(350);
+  return exp_(T(2) * std::min(std::max(u, -lim), lim));
+}
 template <typename T> static inline T gelu_tanh(T x) {
-  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);  // c = sqrt(2 / pi)
-  const T lim = sizeof(T) == 4 ? T(44) : T(350);
-  const T e = exp_(T(2) * std::min(std::max(u, -lim), lim));
+  const T e = gelu_tanh_exp(x);
   return x * (e / (e + T(1)));
 }
 template <typename T> static inline T gelu_tanh_grad(T x) {
-  const T c = T(0.79788456080286535588), u = c * (x + T(0.044715) * x * x * x);
-  const T lim = sizeof(T) == 4 ? T(44) : T(350);
-  const T e = exp_(T(2) * std::min(std::max(u, -lim), lim));
-  const T r = T(1) / (e + T(1)), s = e * r;
-  return s + T(2) * x * s * r * c * (T(1) + T(3) * T(0.044715) * x * x);
+  const T e = gelu_tanh_exp(x), r = T(1) / (e + T(1)), s = e * r;
+  return s + T(2) * x * s * r * T(0.79788456080286535588) * (T(1) + T(3) * T(0.044715) * x * x);
 }
 template <typename T> static inline T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> static inline T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }

@@ -271,18 +271,17 @@ template <typename T> SS_HD T gelu_grad(T x) {
 }
 // GELU's tanh form as x s, s = e / (e + 1) = (1 + tanh(u)) / 2 with e = exp(2u); the gradient takes
 // 1 - s = 1 / (e + 1) directly (1 - tanh(u)^2 loses its digits near |tanh| = 1); as substation_cpu.h.
+template <typename T> SS_HD T gelu_tanh_exp(T x) {  // e = exp(2u), c = sqrt(2 / pi)
+  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x), lim = sizeof(T) == 4 ? T(44) : T(350);
+  return exp_(T(2) * fmin(fmax(u, -lim), lim));
+}
 template <typename T> SS_HD T gelu_tanh(T x) {
-  const T u = T(0.79788456080286535588) * (x + T(0.044715) * x * x * x);  // c = sqrt(2 / pi)
-  const T lim = sizeof(T) == 4 ? T(44) : T(350);
-  const T e = exp_(T(2) * fmin(fmax(u, -lim), lim));
+  const T e = gelu_tanh_exp(x);
   return x * (e / (e + T(1)));
 }
 template <typename T> SS_HD T gelu_tanh_grad(T x) {
-  const T c = T(0.79788456080286535588), u = c * (x + T(0.044715) * x * x * x);
-  const T lim = sizeof(T) == 4 ? T(44) : T(350);
-  const T e = exp_(T(2) * fmin(fmax(u, -lim), lim));
-  const T r = T(1) / (e + T(1)), s = e * r;
-  return s + T(2) * x * s * r * c * (T(1) + T(3) * T(0.044715) * x * x);
+  const T e = gelu_tanh_exp(x), r = T(1) / (e + T(1)), s = e * r;
+  return s + T(2) * x * s * r * T(0.79788456080286535588) * (T(1) + T(3) * T(0.044715) * x * x);
 }
 template <typename T> SS_HD T relu(T x) { return x > T(0) ? x : T(0); }
 template <typename T> SS_HD T relu_grad(T x) { return x > T(0) ? T(1) : T(0); }
