@@ -9,7 +9,7 @@ import tempfile
 from typing import Callable
 
 __all__ = ["OutputError", "OUTPUT_MARKER", "atomic_write", "atomic_write_text", "check_output_dir", "check_writable",
-           "publish_dir", "publish_files"]
+           "publish_dir", "publish_files", "remove_path"]
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
@@ -47,6 +47,22 @@ OUTPUT_MARKER = ".substation-output"
 
 class OutputError(ValueError):
     """An output path that Substation will not overwrite."""
+
+
+def remove_path(path: str, ignore_errors: bool = False) -> None:
+    """Delete a file, a link or a folder tree; with ``ignore_errors``, as much of it as can be deleted.
+
+    Raises:
+        OSError: it could not be deleted (without ``ignore_errors``).
+    """
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+        else:
+            os.unlink(path)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def check_writable(path: str, what: str, into: bool = False) -> str:
@@ -142,13 +158,8 @@ def publish_dir(build, out: str) -> None:
             f.write("written by substation; `substation compile --out` replaces this folder as a whole\n")
         if in_place:
             for name in os.listdir(out):
-                path = os.path.join(out, name)
-                if path == tmp:
-                    continue
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
+                if os.path.join(out, name) != tmp:
+                    remove_path(os.path.join(out, name))
             for name in os.listdir(tmp):
                 os.replace(os.path.join(tmp, name), os.path.join(out, name))
         elif os.path.exists(out):

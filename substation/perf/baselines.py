@@ -6,20 +6,25 @@ from __future__ import annotations
 
 from ..reference import ReferenceEncoderLayer
 
-__all__ = ["HF_ACTIVATIONS", "eager_baseline", "hf_bert_layer", "padded_positions", "padding_mask"]
+__all__ = ["HF_ACTIVATIONS", "eager_baseline", "hf_bert_layer", "padded_from", "padded_positions", "padding_mask"]
 
 
 #: Config activation -> Hugging Face ``hidden_act`` of the same function.
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
+def padded_from(seq: int) -> int:
+    """The first padded position of the benchmarks' padded rows: ``max(1, 3 * seq // 4)`` (every row
+    keeps at least one real token, so J = 1 is not padded). Raises nothing."""
+    return max(1, (3 * seq) // 4)
+
+
 def padded_positions(batch: int, seq: int):
     """The benchmarks' padding as a bool [B, K] tensor (True = padding): batch rows ``B // 2`` and up
-    are padded from position ``max(1, 3 * seq // 4)`` on (with B = 1 that is the only row; every row
-    keeps at least one real token, so J = 1 is not padded). Raises nothing."""
+    are padded from position :func:`padded_from` on (with B = 1 that is the only row). Raises nothing."""
     import torch
     pad = torch.zeros(batch, seq, dtype=torch.bool)
-    pad[batch // 2:, max(1, (3 * seq) // 4):] = True
+    pad[batch // 2:, padded_from(seq):] = True
     return pad
 
 

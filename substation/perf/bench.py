@@ -40,7 +40,7 @@ from ..layer import EncoderLayer
 from ..backends.cpu.contraction import float32_gemm_library
 from ..pipeline import MODES, compile_layer
 from .analysis import analyze, measure, operator_count
-from .baselines import eager_baseline, padding_mask, real_token_error
+from .baselines import eager_baseline, padded_from, padding_mask, real_token_error
 from .probes import copy_bandwidth, fma_peak, gemm_rate, machine_info
 from .timing import (PASSES, Candidate, env_var, fresh_inductor_cache, interleaved_times, sample_stats,
                      saved_tensor_bytes, set_substation_threads, time_step)
@@ -240,7 +240,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         "mode": mode,
         "dropout": dataclasses.asdict(config.dropout),
         "mask": (None if mask is None else
-                 f"additive key mask [B, K]: rows {b // 2}..{b - 1} padded from position {max(1, (3 * j) // 4)} on"),
+                 f"additive key mask [B, K]: rows {b // 2}..{b - 1} padded from position {padded_from(j)} on"),
         "threads": threads,
         "machine": {**machine, "load_average_after": _load()},
         "repeats": repeats, "warmup": warmup,

@@ -52,7 +52,7 @@ import torch
 
 from ..interop import optimize
 from ..backends.cpu.contraction import check_fp32_gemm, float32_gemm_library
-from .baselines import padded_positions
+from .baselines import padded_from, padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
 from .probes import machine_info
 from .timing import Candidate, fresh_inductor_cache, interleaved_times, sample_stats, set_substation_threads
@@ -291,7 +291,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
             "speedup_vs_ort": ratio("ort")}
     return {"batch_size": batch, "seq_len": seq, "padded": batch > 1,
             "tokens": int(real.sum()),
-            "mask": (f"rows {batch // 2}..{batch - 1} padded from position {max(1, (3 * seq) // 4)} on" if batch > 1
+            "mask": (f"rows {batch // 2}..{batch - 1} padded from position {padded_from(seq)} on" if batch > 1
                      else "none (one sequence)"),
             "implementations": info, **per_api}
 

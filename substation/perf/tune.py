@@ -338,13 +338,13 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
     fwd, bwd = compile_graphs(config, fuse_ops=fuse)
     problem = build_problem(fwd, bwd, model)
     analytic = solve(problem, time_limit)
-    if verify:  # keep time for compiling and timing the two layers at the end
-        deadline -= 60.0 + 2 * verify * (analytic.default_seconds or 0.0)
+    check_seconds = 60.0 + 2 * verify * (analytic.default_seconds or 0.0) if verify else 0.0
+    deadline -= check_seconds  # keep time for compiling and timing the two layers at the end
     if deadline <= time.perf_counter():
         say(f"warning: a budget of {budget_s:.0f} s leaves no time to measure (90 s are kept for the solves"
-            + (f", {60.0 + 2 * verify * (analytic.default_seconds or 0.0):.0f} s for the end-to-end check"
-               if verify else "") + f", {time.perf_counter() - t_start:.0f} s went to calibration): the plan "
-            "rests on model costs alone; give a larger budget")
+            + (f", {check_seconds:.0f} s for the end-to-end check" if verify else "")
+            + f", {time.perf_counter() - t_start:.0f} s went to calibration): the plan rests on model costs "
+            "alone; give a larger budget")
     ops = {f"{g.phase}/{op.label}": (g, op) for g in (fwd, bwd) for op in g.operators()}
     fps = {k: _fingerprint(g, op) for k, (g, op) in ops.items()}
     measured: dict[str, dict[str, tuple[Candidate, dict]]] = {k: {} for k in ops}  # op -> cache key -> cand

@@ -23,6 +23,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ...files import remove_path
 from ...resources import csrc_dir, csrc_file
 from ...version import __version__
 
@@ -259,24 +260,13 @@ def _valid(entry: str) -> bool:
         return False
 
 
-def _remove(path: str) -> None:
-    """Delete a folder tree or a file (a cache entry may have been replaced by a file), ignoring errors."""
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 def _discard(entry: str) -> None:
     trash = f"{entry}.trash-{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(entry, trash)
     except OSError:
         return
-    _remove(trash)
+    remove_path(trash, ignore_errors=True)  # an entry may have been replaced by a file
 
 
 def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None:
@@ -287,7 +277,7 @@ def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None
         if name.startswith(".tmp-") or ".trash-" in name:
             try:
                 if now - os.path.getmtime(path) > age_seconds:
-                    _remove(path)
+                    remove_path(path, ignore_errors=True)
             except OSError:
                 pass
 
