@@ -1,4 +1,5 @@
 """The build cache: reuse, atomic publication, failed and corrupted builds, concurrent builders."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,6 +50,17 @@ def test_corrupted_entry_is_rebuilt(cache):
     assert not again.cached and again.path == first.path
     import ctypes
     assert ctypes.CDLL(again.path).answer() == 3
+
+
+def test_key_changes_with_the_library_folders(monkeypatch):
+    """Builds carry the MKL folder as rpath: a second environment (another clone's .venv) sharing the
+    cache must not load a build linked against the first one's, which may be gone."""
+    tc = build.toolchain()
+    key = build.build_key(SOURCE % 5)
+    moved = dataclasses.replace(tc, blas_libs=tuple(os.path.join("/elsewhere/.venv/lib", os.path.basename(p))
+                                                    for p in tc.blas_libs))
+    monkeypatch.setattr(build, "toolchain", lambda: moved)
+    assert build.build_key(SOURCE % 5) != key
 
 
 def test_entry_replaced_by_a_file_is_rebuilt_without_leftovers(cache):

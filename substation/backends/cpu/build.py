@@ -232,12 +232,24 @@ def _header_text() -> str:
     return "\n".join(parts)
 
 
-def build_key(source: str, with_onednn: bool = False) -> str:
-    """SHA-256 over everything that changes the compiled library (with oneDNN: its version too)."""
+def _compile_command(with_onednn: bool):
+    """``command(src, lib)`` -> the compiler's argv for a CPU build (with oneDNN: also against it)."""
     tc = toolchain()
+    dnnl = onednn() if with_onednn else None
+    extra_include = [f"-I{dnnl.include}"] if dnnl and dnnl.include != tc.blas_include else []
+    return lambda src, lib: [tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", *extra_include,
+                             src, "-o", lib, *tc.link_args(), *(dnnl.link_args() if dnnl else [])]
+
+
+def build_key(source: str, with_onednn: bool = False) -> str:
+    """SHA-256 over everything that changes the compiled library: the source, the headers, the compiler
+    and library versions, the CPU and the whole compiler command (its rpaths name the library folders, so
+    a build linked against another environment's MKL or oneDNN is never reused)."""
+    tc = toolchain()
+    command = " ".join(_compile_command(with_onednn)("source.cpp", "lib.so"))
     h = hashlib.sha256()
-    for part in (source, _header_text(), tc.cxx_version, " ".join(FLAGS), tc.blas_version, cpu_id(),
-                 __version__, onednn().version if with_onednn else ""):
+    for part in (source, _header_text(), tc.cxx_version, command, tc.blas_version, cpu_id(), __version__,
+                 onednn().version if with_onednn else ""):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
@@ -299,12 +311,7 @@ def build_library(source: str, label: str = "lib", with_onednn: bool = False) ->
         ToolchainError: compiler, BLAS or (with oneDNN) oneDNN missing.
         BuildError: the compiler failed (nothing is written to the cache).
     """
-    tc = toolchain()
-    dnnl = onednn() if with_onednn else None
-    extra_include = [f"-I{dnnl.include}"] if dnnl and dnnl.include != tc.blas_include else []
-    return cached_build(build_key(source, with_onednn), label, source, "source.cpp",
-                        lambda src, lib: [tc.cxx, *FLAGS, f"-I{csrc_dir()}", f"-I{tc.blas_include}", *extra_include,
-                                          src, "-o", lib, *tc.link_args(), *(dnnl.link_args() if dnnl else [])])
+    return cached_build(build_key(source, with_onednn), label, source, "source.cpp", _compile_command(with_onednn))
 
 
 def cached_build(key: str, label: str, source: str, filename: str, command, manifest: dict | None = None) -> BuildResult:
