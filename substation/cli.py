@@ -538,6 +538,8 @@ def main(argv=None) -> int:
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "plot", None) and not args.plot.lower().endswith(".png"):
+            raise OutputError(f"--plot {args.plot}: the chart is a PNG image; give a file name ending in .png")
         for flag in ("json", "plot"):  # checked before the work: a refused output costs nothing
             if getattr(args, flag, None):
                 check_writable(getattr(args, flag), f"--{flag}")

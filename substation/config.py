@@ -287,7 +287,8 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
 
     Raises:
         FileNotFoundError: the path does not exist and is not the name of a bundled config.
-        ConfigError: the YAML is malformed or breaks a rule, or the path is a folder.
+        ConfigError: the YAML is malformed or breaks a rule, or the path is a folder that is not the name
+            of a bundled config (a bundled name is looked up before a folder of that name).
         TypeError: ``source`` is none of these.
     """
     if isinstance(source, EncoderConfig):
@@ -298,13 +299,14 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
         raise TypeError(f"a config is an EncoderConfig, a mapping, a YAML path or a bundled config name "
                         f"(e.g. 'bert-base'); got {type(source).__name__}")
     path = os.fspath(source)
-    if os.path.isdir(path):
-        raise ConfigError(f"{path} is a folder; give a YAML config file or a bundled config name")
-    if not os.path.exists(path):
-        bundled = bundled_file(path, ".yaml")
-        if os.path.sep not in path and bundled is not None:
+    if not os.path.isfile(path):
+        # a bundled name wins over a folder of that name (``compile tiny --out tiny`` makes one)
+        bundled = bundled_file(path, ".yaml") if os.path.sep not in path else None
+        if bundled is not None:
             path = bundled
-        else:
+        elif os.path.isdir(path):
+            raise ConfigError(f"{path} is a folder; give a YAML config file or a bundled config name")
+        elif not os.path.exists(path):
             raise FileNotFoundError(f"config file not found: {path}")
     with open(path, encoding="utf-8") as f:
         try:

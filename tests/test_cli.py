@@ -119,6 +119,8 @@ def test_unwritable_outputs_are_refused_before_the_work(tmp_path, capsys, monkey
         err = capsys.readouterr().err
         assert f"the folder {locked} is not writable" in err, (argv, err)
     assert os.listdir(locked) == []
+    assert main(["report", "tiny", "--plot", str(tmp_path / "chart.txt")]) == 2  # the chart is always a PNG
+    assert "give a file name ending in .png" in capsys.readouterr().err
     if os.path.isdir("/proc/self"):  # a file system that refuses new entries whatever os.access says
         assert main(["graphs", "tiny", "--out", "/proc/substation-out"]) == 2
         assert "the folder /proc is not writable" in capsys.readouterr().err

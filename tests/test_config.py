@@ -90,13 +90,19 @@ def test_yaml_exponent_without_dot_is_float(tmp_path):
     assert c.layer_norm_eps == 1e-5 and c.name == "eps"
 
 
-def test_clear_errors_for_wrong_config_sources_and_replace_keys(tmp_path):
+def test_clear_errors_for_wrong_config_sources_and_replace_keys(tmp_path, monkeypatch):
     import substation
     from substation.config import ConfigError, load_config
     with pytest.raises(TypeError, match="a config is an EncoderConfig, a mapping"):
         load_config(3)
     with pytest.raises(ConfigError, match="is a folder"):
         load_config(str(tmp_path))
+    (tmp_path / "tiny").mkdir()  # e.g. made by `substation compile tiny --out tiny`
+    monkeypatch.chdir(tmp_path)
+    from substation.resources import bundled_file
+    assert load_config("tiny") == load_config(bundled_file("tiny", ".yaml"))
+    with pytest.raises(ConfigError, match="tiny is a folder"):
+        load_config("./tiny")
     with pytest.raises(ConfigError, match="unknown config key\\(s\\) heads"):
         load_config("tiny").replace(heads=5)
     with pytest.raises(ConfigError, match="unknown dropout key\\(s\\) bogus"):

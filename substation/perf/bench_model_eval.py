@@ -431,7 +431,7 @@ def format_bench_model_eval(r: dict) -> str:
              + (f" ({r['fp32_gemm']} GEMMs)" if r.get("fp32_gemm") else "")
              + f"; machine: {mc['cpu']}, {mc['cores']} logical CPUs; threads: {r['threads']}"
              + (f"; load average {load[0]:.2f}" if load else ""),
-             "ONNX Runtime: " + (f"skipped ({r['ort']['skipped']})" if r["ort"]["skipped"] else
+             "ONNX Runtime: " + (f"skipped: {r['ort']['skipped']}" if r["ort"]["skipped"] else
                                  f"{r['ort']['onnxruntime']}, fused {r['ort']['fused_operators']}")]
     for key, s in r["shapes"].items():
         lines.append(f"[{key}] {s['mask']}; medians of {r['rounds']} interleaved rounds (ms), "
