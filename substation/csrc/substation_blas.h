@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace ss {
 
@@ -52,39 +51,6 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
     blas_gemm(trans_a, trans_b, m, n1 - n0, k, alpha, a, lda, trans_b ? b + n0 * ldb : b + n0, ldb, c + n0, ldc);
     mkl_set_num_threads_local(previous);
   }
-}
-
-// C_t = alpha op(A_t) op(B_t) for t < count, each as ss::gemm's (the stacked Q, K, V projections: one
-// GEMM per T, their weights given apart). From kSplitRows rows one cblas_?gemm_batch call: MKL runs
-// the group as one GEMM of count times the columns (3584 x 384 x 384 three times, 2 threads, AMD Zen 4:
-// 16.9 ms against 17.6 for three calls in a row, and 41-44 against 64-72 ms with another process on
-// the cores; every element bit-identical to the separate calls). Below, ss::gemm per t (its column
-// split).
-inline void blas_gemm_batch(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, MKL_INT m, MKL_INT n, MKL_INT k, float alpha,
-                            const float** a, MKL_INT lda, const float** b, MKL_INT ldb, float** c, MKL_INT ldc,
-                            MKL_INT count) {
-  const float beta = 0.0f;
-  cblas_sgemm_batch(CblasRowMajor, &ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc, 1, &count);
-}
-
-inline void blas_gemm_batch(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, MKL_INT m, MKL_INT n, MKL_INT k, double alpha,
-                            const double** a, MKL_INT lda, const double** b, MKL_INT ldb, double** c, MKL_INT ldc,
-                            MKL_INT count) {
-  const double beta = 0.0;
-  cblas_dgemm_batch(CblasRowMajor, &ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc, 1, &count);
-}
-
-template <typename T>
-inline void gemm_stack(int64_t count, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha,
-                       const T* const* a, int64_t lda, const T* const* b, int64_t ldb, T* const* c, int64_t ldc) {
-  if (m < kSplitRows) {
-    for (int64_t t = 0; t < count; ++t) gemm(trans_a, trans_b, m, n, k, alpha, a[t], lda, b[t], ldb, c[t], ldc);
-    return;
-  }
-  std::vector<const T*> as(a, a + count), bs(b, b + count);
-  std::vector<T*> cs(c, c + count);
-  blas_gemm_batch(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, as.data(),
-                  lda, bs.data(), ldb, cs.data(), ldc, count);
 }
 
 }  // namespace ss

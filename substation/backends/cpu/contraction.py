@@ -4,8 +4,7 @@ possibly in batch loops, and the fused attention kernel of forward-only builds.
 
 Operand pointers come from the tensors' strides (:func:`operand_pointer`); a parameter the library
 takes in parts (:func:`~substation.ir.operands.split_stack_params`) is addressed through its table of
-per-T pointers, ``<name>_parts_[i_T]``, so its contraction runs one GEMM per T (BLAS: one batched call,
-``ss::gemm_stack``).
+per-T pointers, ``<name>_parts_[i_T]``, so its contraction runs one GEMM per T.
 """
 from __future__ import annotations
 
@@ -95,16 +94,8 @@ def emit_contraction(em, op, ops: dict[str, Operand]) -> None:
     if not letters:
         em.w(call(pointers))
         return
-    if letters == [STACK_LETTER]:  # one full-size GEMM per T, all in one batched BLAS call
-        count = dim_size(STACK_LETTER)
-        em.w(f"const {em.T}* a_[{count}];")
-        em.w(f"const {em.T}* b_[{count}];")
-        em.w(f"{em.T}* c_[{count}];")
-        em.loops(letters, lambda: em.w(f"a_[i_{STACK_LETTER}] = {pointers[0]}, b_[i_{STACK_LETTER}] = {pointers[1]}, "
-                                       f"c_[i_{STACK_LETTER}] = {pointers[2]};"), parallel=False)
-        em.w(f"ss::gemm_stack<{em.T}>({count}, {str(plan.trans_a).lower()}, {str(plan.trans_b).lower()}, "
-             f"{c_expr(plan.m)}, {c_expr(plan.n)}, {c_expr(plan.k)}, {alpha!r}, a_, {c_expr(plan.lda)}, b_, "
-             f"{c_expr(plan.ldb)}, c_, {c_expr(plan.ldc)});")
+    if letters == [STACK_LETTER]:  # one full-size GEMM per T: BLAS's own threads
+        em.loops(letters, lambda: em.w(call(pointers)), parallel=False)
         return
     nbatch = " * ".join(dim_size(x) for x in letters)
     # Many small GEMMs: one per thread (BLAS runs single-threaded inside the parallel region).
