@@ -217,15 +217,16 @@ def test_inference_build_takes_the_qkv_weight_in_parts(timed):
     w = layer.in_proj_weight
     i = train.config.hidden_size
     parts = tuple(w.detach()[k * i:(k + 1) * i].clone() for k in range(3))  # three separate buffers
-    x = torch.randn(2, 7, i, dtype=torch.float64)
     from substation.runtime import run_layer
-    with torch.no_grad():
-        y_stacked = run_layer(train, x, params, training=False)
-        split_params = [parts if n == "in_proj_weight" else p for n, p in zip(layer.parameter_names, params)]
-        _op_total(inference.forward)
-        y_parts = run_layer(train, x, split_params, training=False)
-        assert _op_total(inference.forward) > 0
-    assert torch.equal(y_stacked, y_parts)
+    split_params = [parts if n == "in_proj_weight" else p for n, p in zip(layer.parameter_names, params)]
+    for batch, seq in ((2, 7), (2, 130)):  # 14 and 260 token rows: either side of ss::kSplitRows
+        x = torch.randn(batch, seq, i, dtype=torch.float64)
+        with torch.no_grad():
+            y_stacked = run_layer(train, x, params, training=False)
+            _op_total(inference.forward)
+            y_parts = run_layer(train, x, split_params, training=False)
+            assert _op_total(inference.forward) > 0
+        assert torch.equal(y_stacked, y_parts)
     # with a gradient needed the parts are concatenated differentiably: each part gets its slice of the gradient
     leaves = tuple(q.clone().requires_grad_() for q in parts)  # leaves
     split_params = [leaves if n == "in_proj_weight" else p for n, p in zip(layer.parameter_names, params)]
