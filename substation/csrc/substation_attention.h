@@ -160,8 +160,8 @@ static inline void float_exponentials(float* s, float* e, int64_t K, const float
   }
 }
 
-// float_exponentials over the `rows` rows of a block, R at a time (4: measured faster than 2 or 8).
-template <int R = 4>
+// float_exponentials over the `rows` rows of a block, R at a time.
+template <int R>
 static inline void float_block_exponentials(int64_t rows, float* s, float* e, int64_t K, const float* mask,
                                             bool causal, int64_t query, float* inv) {
   if constexpr (R > 0) {
@@ -170,6 +170,11 @@ static inline void float_block_exponentials(int64_t rows, float* s, float* e, in
     float_block_exponentials<R - 1>(rows, s, e, K, mask, causal, query, inv);
   }
 }
+
+// Keys up to which the float softmax takes four rows at a time (faster than 2 or 8 at K = 128); with
+// longer rows one row's chains are long enough, and four rows' scores and exponentials streamed at
+// once were slower (Zen 4, 2 threads: K = 512 7%, K = 2048 10%).
+constexpr int64_t kSoftmaxGroupKeys = 256;
 #endif
 
 // The biases of q, k and v ([H, P] each, P contiguous, stride h along H), added as they are loaded; all
@@ -255,7 +260,8 @@ static inline void attention_forward(int64_t B, int64_t H, int64_t J, int64_t K,
             blas_gemm(false, true, nj, K, P, alpha, qb, q_ld, kb, k_ld, s.data(), K);
 #if defined(__AVX512F__)
           if constexpr (packed) {
-            float_block_exponentials(nj, s.data(), e.data(), K, mb, causal, j0, inv.data());
+            if (K <= kSoftmaxGroupKeys) float_block_exponentials<4>(nj, s.data(), e.data(), K, mb, causal, j0, inv.data());
+            else float_block_exponentials<1>(nj, s.data(), e.data(), K, mb, causal, j0, inv.data());
           } else
 #endif
             for (int64_t r = 0; r < nj; ++r)
