@@ -29,7 +29,7 @@
 namespace ss {
 
 // Score and exponential blocks per thread: 16 KiB together (L1-resident; 16 float rows at K = 128, so a
-// head has 8 blocks to spread NextHead's prefetches over: 7% faster than 64 KiB at B = 28, L = 128 on
+// head has 8 blocks to spread NextHead's prefetches over: 6% faster than 64 KiB at B = 28, L = 128 on
 // Zen 4, 8 KiB no faster).
 constexpr int64_t ATTENTION_BLOCK_BYTES = 16 * 1024;
 
