@@ -197,7 +197,6 @@ def cmd_graphs(args) -> int:
     from .pipeline import compile_graphs
 
     names = args.configs or list(REFERENCE_CONFIGS)
-    check_writable(args.out, "--out", into=True)  # before the work
 
     def write(tmp):
         for name in names:
