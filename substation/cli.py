@@ -1,4 +1,4 @@
-"""Command line: ``substation compile | graphs | report | bench | bench-model | tune`` (also
+"""Command line: ``substation compile | graphs | report | bench | bench-model | tune | cache`` (also
 ``python -m substation``)."""
 from __future__ import annotations
 
@@ -386,6 +386,25 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    """``substation cache``: the build cache's folder, builds and size; ``--prune-days N`` removes the
+    builds unused for N days, ``--clear`` every build (docs/toolchain.md, "Build cache")."""
+    from .backends.cpu.build import cache_dir, cache_entries, prune_cache
+
+    def summary(entries) -> str:
+        return f"{len(entries)} build{'' if len(entries) == 1 else 's'}, {sum(e.bytes for e in entries) / 2**20:.1f} MiB"
+    if args.clear or args.prune_days is not None:
+        removed = prune_cache(None if args.clear else args.prune_days * 86400.0)
+        print(f"removed {summary(removed)}")
+    entries = cache_entries()
+    used = ""
+    if entries:
+        used = "; last used " + " .. ".join(time.strftime("%Y-%m-%d", time.localtime(e.last_used))
+                                            for e in (entries[0], entries[-1]))
+    print(f"build cache {cache_dir()}: {summary(entries)}{used}")
+    return 0
+
+
 def cmd_compare_layouts(args) -> int:
     """``substation bench CONFIG --compare-layouts``: default vs tuned layouts, interleaved, one process."""
     from .config import load_config
@@ -418,6 +437,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -526,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="train: also write a bar chart")
     _add_fp32_gemm(p)
     p.set_defaults(func=cmd_bench_model)
+    p = sub.add_parser("cache", help="show the build cache (folder, builds, size); remove unused or all builds")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prune-days", type=_nonnegative_float, metavar="N",
+                      help="remove the builds not used (built or loaded) for N days")
+    what.add_argument("--clear", action="store_true", help="remove every build (they are rebuilt when needed)")
+    p.set_defaults(func=cmd_cache)
     return parser
 
 

@@ -259,6 +259,21 @@ def test_bf16_kernels_shapes_masks_and_causal(tmp_path, kernel):
             assert (y[live].double() - exact[live]).abs().max().item() <= 2 * sdpa_err + 1e-6
 
 
+def test_amx_kernel_compiles_on_any_cpu(tmp_path):
+    """The AMX kernel is compiled only where ``-march=native`` has AMX, so a CPU without it would never
+    see it break: build the harness for Sapphire Rapids (not run) and find the tile multiplications."""
+    tc = toolchain()
+    (tmp_path / "harness.cpp").write_text(_HARNESS)
+    lib_path = tmp_path / "harness.so"
+    flags = [f if f != "-march=native" else "-march=sapphirerapids" for f in FLAGS]
+    assert flags != list(FLAGS)
+    build = subprocess.run([tc.cxx, *flags, "-DKERNEL_AMX=1", f"-I{csrc_dir()}", f"-I{tc.blas_include}",
+                            str(tmp_path / "harness.cpp"), "-o", str(lib_path)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    code = subprocess.run(["objdump", "-d", str(lib_path)], check=True, capture_output=True, text=True).stdout
+    assert code.count("tdpbf16ps") >= 2 and "ldtilecfg" in code  # scores and context products on the tiles
+
+
 @needs_bf16
 def test_bench_attention_bf16(tmp_path):
     """``--attention-lengths --dtype bfloat16``: the bytes saved are S (float32) and the bf16

@@ -107,3 +107,26 @@ def test_two_processes_build_the_same_source(cache):
     assert all(p.returncode == 0 for p in procs)
     assert paths[0] == paths[1] and len(entries(cache)) == 1
     assert [p for p in os.listdir(cache) if p.startswith(".tmp")] == []
+
+
+def test_cache_lists_prunes_unused_and_clears(cache, capsys):
+    from substation.cli import main
+    old, new = build_library(SOURCE % 6, "old"), build_library(SOURCE % 7, "new")
+    (cache / "tune").mkdir()
+    (cache / "tune" / "record.json").write_text("{}")
+    day = 86400
+    os.utime(os.path.dirname(old.path), (0, os.path.getmtime(old.path) - 3 * day))
+    listed = build.cache_entries()
+    assert [e.label for e in listed] == ["old", "new"] and all(e.bytes > os.path.getsize(old.path) for e in listed)
+    assert build_library(SOURCE % 6, "old").cached  # a load marks the build used...
+    assert [e.label for e in build.cache_entries()] == ["new", "old"]
+    os.utime(os.path.dirname(old.path), (0, os.path.getmtime(old.path) - 3 * day))  # ...three days ago again
+    assert main(["cache", "--prune-days", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 1 build, " in out and f"build cache {cache}: 1 build, " in out
+    assert entries(cache) == [os.path.basename(os.path.dirname(new.path)), "tune"]
+    assert [e.path for e in build.prune_cache()] == [os.path.dirname(new.path)]
+    assert entries(cache) == ["tune"] and (cache / "tune" / "record.json").exists()
+    assert main(["cache", "--clear"]) == 0 and "removed 0 builds, 0.0 MiB" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unused_seconds must be >= 0"):
+        build.prune_cache(-1.0)

@@ -28,7 +28,7 @@ from ...resources import csrc_dir, csrc_file
 from ...version import __version__
 
 __all__ = ["ToolchainError", "BuildError", "Toolchain", "OneDNN", "toolchain", "onednn", "cache_dir", "build_library",
-           "build_libraries", "cpu_flags", "require_bf16_isa"]
+           "build_libraries", "cpu_flags", "require_bf16_isa", "CacheEntry", "cache_entries", "prune_cache"]
 
 #: -mprefer-vector-width=512: GCC's tuning for recent Xeons keeps auto-vectorized loops at 256 bits;
 #: the compute-bound row kernels (GELU and its gradient) take 35-40% less time at 512 (docs/toolchain.md).
@@ -294,6 +294,68 @@ def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None
                 pass
 
 
+def _mark_used(entry: str) -> None:
+    """Set the entry folder's modification time to now: its last use, which :func:`prune_cache` reads
+    (a read-only cache keeps the old time)."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One build in the cache: its folder, the ``label`` it was built under (config and graph, as in
+    ``manifest.json``), its size in bytes and its last use (seconds since the epoch: the last build or
+    load)."""
+
+    path: str
+    label: str
+    bytes: int
+    last_used: float
+
+
+def cache_entries() -> list[CacheEntry]:
+    """The builds in :func:`cache_dir` (CPU and CUDA; folders with a ``manifest.json``), oldest use first.
+
+    Raises:
+        BuildError: as :func:`cache_dir`.
+    """
+    root = cache_dir()
+    entries = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                label = json.load(f).get("label", "")
+            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+            entries.append(CacheEntry(path, str(label), size, os.stat(path).st_mtime))
+        except (OSError, ValueError, AttributeError):
+            continue  # not a build (tuning records, temporaries) or removed meanwhile
+    return sorted(entries, key=lambda e: e.last_used)
+
+
+def prune_cache(unused_seconds: float | None = None) -> list[CacheEntry]:
+    """Remove the builds of :func:`cache_dir` not used for ``unused_seconds`` (None: every build), and
+    the folders of builds killed over a day ago. Each entry is renamed away before it is deleted, so no
+    process loads half of one; a process that loaded a library keeps it mapped. Tuning records stay.
+
+    Returns:
+        The removed entries.
+
+    Raises:
+        ValueError: ``unused_seconds`` negative. BuildError: as :func:`cache_dir`.
+    """
+    if unused_seconds is not None and not unused_seconds >= 0:
+        raise ValueError(f"unused_seconds must be >= 0, got {unused_seconds}")
+    now = time.time()
+    removed = [e for e in cache_entries() if unused_seconds is None or now - e.last_used > unused_seconds]
+    for e in removed:
+        _discard(e.path)
+    _remove_stale_temporaries(cache_dir())
+    return removed
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildResult:
     """A built library: its path, whether it came from the cache, and the compile time in seconds."""
@@ -326,6 +388,7 @@ def cached_build(key: str, label: str, source: str, filename: str, command, mani
     entry = os.path.join(root, key)
     if os.path.isdir(entry):
         if _valid(entry):
+            _mark_used(entry)
             return BuildResult(os.path.join(entry, "lib.so"), True, 0.0)
         _discard(entry)
     _remove_stale_temporaries(root)
