@@ -30,6 +30,7 @@ from .passes.epilogue import applies_to as epilogue_applies
 from .passes.epilogue import fuse_epilogues, pack_parameters
 from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
+from .passes.precision import applies_to as mixed_precision_applies
 from .passes.precision import cast_backward_contraction_inputs, mixed_precision
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
@@ -228,13 +229,21 @@ def _load(state: PipelineState) -> None:
             autocast_note = str(e)
     options = {"fuse": opts.fuse, "attention": opts.attention, "layout": opts.layout, "instrument": opts.instrument,
                "fp32_gemm": opts.fp32_gemm, "float32_masters": opts.float32_masters}
+    no_dropout_build = None
+    if opts.mode == "train" and mixed_precision_applies(state.config.dtype, state.config.target) \
+            and state.config.dropout.attention > 0:
+        no_dropout_build = functools.partial(
+            cached_compile, state.config.replace(dropout={"attention": 0.0, "hidden": 0.0, "activation": 0.0,
+                                                          "attention_output": None}),
+            fuse=opts.fuse, instrument=opts.instrument, mode="train", attention=opts.attention,
+            fp32_gemm=opts.fp32_gemm, float32_masters=opts.float32_masters)  # its own default layout plan
     state.compiled = CompiledLayer(
         state.config, loaded["forward"], loaded.get("backward"), {k: v.seconds for k, v in state.built.items()},
         state.sources, {**options, "mode": opts.mode},
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
                                           mode="eval", attention=opts.attention, fp32_gemm=opts.fp32_gemm,
                                           float32_masters=opts.float32_masters),
-        autocast_build=autocast_build, autocast_note=autocast_note)
+        autocast_build=autocast_build, autocast_note=autocast_note, no_dropout_build=no_dropout_build)
 
 
 _GRAPHS = frozenset({"forward", "backward"})

@@ -168,6 +168,30 @@ def test_autocast_runs_the_bfloat16_build_of_a_float32_layer(fp32_layer, variant
     assert 1e-4 < _rel(y, y_fp32.double()) < 4e-2
 
 
+def test_gradients_in_eval_mode_run_the_build_without_dropout(fp32_layer):
+    """In eval mode PyTorch's layer under autocast runs its fused attention (float32 scores) even where
+    training applies attention dropout (then bf16 scores): a layer with dropout, called in eval mode
+    with gradients, runs the no-dropout build (float32 scores), giving what a layer compiled without
+    dropout gives, bit for bit; in train mode it keeps its dropout build."""
+    layer = EncoderLayer(cached_compile(_tiny(dtype="float32")))
+    layer.load_state_dict(fp32_layer.state_dict())
+    build = layer.compiled.for_autocast()
+    assert build.forward.graph.tensors["S"].dtype == "bfloat16"
+    no_dropout = build.without_dropout()
+    assert no_dropout.config.dropout.probabilities() == (0.0,) * 4 and no_dropout.backward is not None
+    assert no_dropout.forward.graph.tensors["S"].dtype == "float32"
+    assert no_dropout is fp32_layer.compiled.for_autocast() and no_dropout.without_dropout() is no_dropout
+    x, pad, _ = _inputs()
+    ours = _step(layer.eval(), x, pad, autocast=True)
+    plain = _step(fp32_layer.eval(), x, pad, autocast=True)
+    fp32_layer.train()
+    for a, b in zip([ours[0], ours[1], *ours[2]], [plain[0], plain[1], *plain[2]]):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dropped = layer.train()(x.clone().requires_grad_(), key_padding_mask=pad)
+    assert not torch.equal(dropped.detach(), ours[0])
+
+
 def test_float32_weights_always_get_the_float32_build(fp32_layer):
     """``.float()`` of a bf16 layer (or a round trip through bf16) is a float32 layer: float32 outside
     autocast, the bf16 build under it, the same numbers as the original float32 layer: one way of

@@ -105,12 +105,16 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     return mask.to(dtype).contiguous()
 
 
-def _chosen_build(key: str, bf16_autocast: bool) -> CompiledLayer:
+def _chosen_build(key: str, bf16_autocast: bool, training: bool, forward_only: bool) -> CompiledLayer:
     # Chosen inside the operators (opaque to torch.compile): the first call compiles or loads the build.
     compiled = registered_layer(key)
     if torch.compiler.is_exporting():  # fake tensors: the exported program names the layer by key only
         pin_layer(compiled)
-    return compiled.for_autocast() if bf16_autocast else compiled
+    if bf16_autocast:
+        compiled = compiled.for_autocast()
+    if forward_only:
+        return compiled.forward_only()
+    return compiled if training else compiled.without_dropout()
 
 
 def _cast_names(compiled: CompiledLayer, params: list) -> list[str]:
@@ -168,9 +172,8 @@ def _inference_packing(mask: torch.Tensor | None, attend_marks_true: bool, batch
 def _layer_forward_impl(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
                    params: list[torch.Tensor], seed: torch.Tensor, training: bool,
                    forward_only: bool, bf16_autocast: bool, param_parts: list[int]) -> list[torch.Tensor]:
-    compiled = _chosen_build(key, bf16_autocast)
-    if forward_only:  # no gradient needed, no dropout: the inference build writes Y alone
-        compiled = compiled.forward_only()
+    # without gradients the inference build writes Y alone; with them and training=False, no dropout
+    compiled = _chosen_build(key, bf16_autocast, training, forward_only)
     b, j, _ = x.shape
     names = parameter_names(compiled.config)
     params = _grouped(params, param_parts)  # parts (forward-only calls only): the Q, K, V weights apart
@@ -212,9 +215,9 @@ def _plain_eager(x: torch.Tensor) -> bool:
 @_layer_forward.register_fake
 def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training, forward_only, bf16_autocast,
                         param_parts):
-    compiled = _chosen_build(key, bf16_autocast)
     if forward_only:  # shapes without loading the inference build (no tensors may be made here)
-        return [x.new_empty(x.shape, dtype=compiled.forward.dtypes["Y"])]
+        return [x.new_empty(x.shape, dtype=_chosen_build(key, bf16_autocast, True, False).forward.dtypes["Y"])]
+    compiled = _chosen_build(key, bf16_autocast, training, False)
     sizes = compiled.config.sizes(x.shape[0], x.shape[1])
     info = {t.name: t for t in compiled.forward.produced}
     dtypes = compiled.forward.dtypes
@@ -251,7 +254,7 @@ def _layer_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     if forward_only:
         return
-    compiled = _chosen_build(key, bf16_autocast)
+    compiled = _chosen_build(key, bf16_autocast, training, False)
     names = parameter_names(compiled.config)
     produced = compiled.produced_names
     cast_names = _cast_names(compiled, params)

@@ -340,6 +340,12 @@ class CompiledLayer:
             AVX512-BF16; else None).
         autocast_note: why a float32 CPU build has no :attr:`autocast_build` (the CPU lacks
             AVX512-BF16), warned about once under bf16 autocast; else None.
+        no_dropout_build: ``() -> CompiledLayer``, the training build of the same config without dropout,
+            for calls that need gradients but draw no dropout (``training=False``), where that changes the
+            arithmetic: bfloat16 CPU builds whose attention probabilities pass a dropout keep their scores
+            in bfloat16, as autocast's unfused attention does, while without dropout autocast runs
+            PyTorch's fused attention, whose scores stay float32 (:mod:`substation.passes.precision`);
+            else None.
     """
 
     config: EncoderConfig
@@ -351,6 +357,7 @@ class CompiledLayer:
     inference_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
     autocast_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
     autocast_note: str | None = None
+    no_dropout_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         self.key = register_layer(self)
@@ -372,6 +379,15 @@ class CompiledLayer:
         if self.backward is None or self.inference_build is None:
             return self
         return self.inference_build()
+
+    def without_dropout(self) -> "CompiledLayer":
+        """The build to run when gradients are needed and no dropout is drawn: :attr:`no_dropout_build`
+        (compiled through the cache on first use), else this build (which skips its dropout).
+
+        Raises:
+            ToolchainError, BuildError: compiling that build failed.
+        """
+        return self if self.no_dropout_build is None else self.no_dropout_build()
 
     def for_autocast(self) -> "CompiledLayer":
         """The build to run under CPU bfloat16 autocast: :attr:`autocast_build` (compiled through the cache
