@@ -12,6 +12,7 @@ import time
 
 from .backends.cpu.contraction import FP32_GEMM_LIBRARIES, float32_gemm_library
 from .files import OutputError, check_output_dir, check_writable, publish_dir, publish_files
+from .version import __version__
 
 __all__ = ["main"]
 
@@ -456,6 +457,7 @@ def _add_fp32_gemm(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``substation`` command."""
     parser = argparse.ArgumentParser(prog="substation", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"substation {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("compile", help="compile a config; write graphs, sources, libraries and a report")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")

@@ -71,9 +71,12 @@ def check_writable(path: str, what: str, into: bool = False) -> str:
     its nearest existing ancestor, is a folder this process may write. Callers ask before long work.
 
     Raises:
-        OutputError: that folder is not writable (permissions, a read-only file system) or is a file.
+        OutputError: that folder is not writable (permissions, a read-only file system) or is a file;
+            ``path`` (a file to write, not ``into``) is an existing folder.
     """
     path = os.path.abspath(path)
+    if not into and os.path.isdir(path):
+        raise OutputError(f"{what} {path}: is a folder; give the name of a file to write")
     folder = path if into else os.path.dirname(path)
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)

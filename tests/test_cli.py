@@ -121,9 +121,19 @@ def test_unwritable_outputs_are_refused_before_the_work(tmp_path, capsys, monkey
     assert os.listdir(locked) == []
     assert main(["report", "tiny", "--plot", str(tmp_path / "chart.txt")]) == 2  # the chart is always a PNG
     assert "give a file name ending in .png" in capsys.readouterr().err
+    for argv in (["report", "tiny", "--json", str(tmp_path)], ["tune", "tiny", "--out", str(tmp_path)]):
+        assert main(argv) == 2, argv  # a folder where a file is to be written
+        assert f"{tmp_path}: is a folder; give the name of a file to write" in capsys.readouterr().err
     if os.path.isdir("/proc/self"):  # a file system that refuses new entries whatever os.access says
         assert main(["graphs", "tiny", "--out", "/proc/substation-out"]) == 2
         assert "the folder /proc is not writable" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from substation import __version__
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"substation {__version__}\n"
 
 
 def test_graphs_and_errors(tmp_path, capsys):

@@ -79,6 +79,19 @@ inline LruCache<dnnl::memory>& packed_weight_cache() {
   return cache;
 }
 
+// Parameter addresses remembered by packed_from() at most (then forgotten at once: most are of tensors
+// long gone).
+constexpr size_t kPackedSources = 1 << 16;
+
+// The copy last packed from each parameter address (with the packed layout, dtype and shape): a new
+// content packed from that address supersedes it, so a loop of optimizer steps and inference calls
+// keeps one copy per parameter instead of one per step. (The same content read from elsewhere finds
+// its copy by digest and supersedes nothing.)
+inline std::map<std::vector<int64_t>, LruCache<dnnl::memory>::Key>& packed_from() {
+  static std::map<std::vector<int64_t>, LruCache<dnnl::memory>::Key> sources;
+  return sources;
+}
+
 // Parameters held fixed by the calling thread (hold_parameters): a packed batch runs a library once per
 // group of sequences with the same weights, and each call would digest all of them again (a pass over
 // the layer's weights, bound by memory bandwidth).
@@ -110,7 +123,7 @@ inline uint64_t parameter_digest(const void* data, int64_t rows, int64_t row_byt
   return held.digests[key] = content_digest(data, rows, row_bytes, ld_bytes);
 }
 
-// Guards matmul_cache() and packed_weight_cache().
+// Guards matmul_cache(), packed_weight_cache() and packed_from().
 inline std::mutex& matmul_lock() {
   static std::mutex lock;
   return lock;
@@ -122,6 +135,7 @@ inline size_t release_packed_parameters() {
   std::lock_guard<std::mutex> guard(matmul_lock());
   const size_t held = packed_weight_cache().cost();
   packed_weight_cache().clear();
+  packed_from().clear();
   return held;
 }
 
@@ -292,6 +306,14 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         dnnl::reorder(plain, *made).execute(stream, plain, *made);
         stream.wait();
         std::lock_guard<std::mutex> guard(matmul_lock());
+        std::vector<int64_t> source(packed_key.begin(), packed_key.end() - 1);  // all but the digest
+        source.push_back((int64_t)reinterpret_cast<uintptr_t>(b));
+        if (packed_from().size() >= kPackedSources) packed_from().clear();
+        auto [last, fresh] = packed_from().try_emplace(std::move(source), packed_key);
+        if (!fresh && last->second != packed_key) {
+          packed_weight_cache().erase(last->second);
+          last->second = packed_key;
+        }
         packed_weight_cache().insert(packed_key, made, made->get_desc().get_size());
         packed = made;
       }

@@ -108,6 +108,14 @@ class LruCache {
     }
   }
 
+  void erase(const Key& key) {
+    const auto found = index_.find(key);
+    if (found == index_.end()) return;
+    cost_ -= std::get<2>(*found->second);
+    order_.erase(found->second);
+    index_.erase(found);
+  }
+
   void clear() {
     order_.clear();
     index_.clear();

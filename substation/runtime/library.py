@@ -455,9 +455,10 @@ def registered_layer(key: str) -> CompiledLayer:
 
 def release_packed_parameters() -> int:
     """Drop the packed copies of parameters that bfloat16 inference builds keep (one cache per process,
-    up to 1 GiB; a loop that alternates training and evaluation leaves one copy per weight version)
-    and hand the freed memory back to the OS (glibc's ``malloc_trim``: :func:`keep_freed_memory` keeps
-    freed memory otherwise); the next inference call packs what it reads again.
+    up to 1 GiB, a copy per parameter and packed layout: a new content packed from a parameter's address
+    replaces the copy made from there before) and hand the freed memory back to the OS (glibc's
+    ``malloc_trim``: :func:`keep_freed_memory` keeps freed memory otherwise); the next inference call
+    packs what it reads again.
 
     Returns:
         The bytes the copies held (0 when no bfloat16 build is loaded).
