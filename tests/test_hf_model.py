@@ -295,7 +295,7 @@ def test_torch_save_load_and_deepcopy_without_rebuild():
 # ------------------------------------------------------------------------------------------------ dtype, device
 
 
-def test_dtype_changes_rebuild_or_raise_at_the_call():
+def test_dtype_changes_rebuild_or_fall_back_to_hugging_face():
     torch.manual_seed(15)
     plain = randomize_(BertModel(BertConfig(**TEXT)), 16).eval()
     ours = optimize(copy.deepcopy(plain))
@@ -308,14 +308,31 @@ def test_dtype_changes_rebuild_or_raise_at_the_call():
                         inputs.get("attention_mask")) <= 1e-10
     ours.to(torch.float32)
     assert ours.encoder.layer[1].substation_compiled.config.dtype == "float32"
-    layer = ours.encoder.layer[0]
-    for convert in (lambda m: m.half(), lambda m: m.to(torch.float16)):
-        with pytest.raises(TypeError, match="target cpu compiles float32, float64, bfloat16 layers; converting them "
-                                            "to torch.float16"):
-            convert(layer)
-        assert layer.attention.self.query.weight.dtype == torch.float32   # nothing converted
-    with pytest.raises(TypeError, match="run on the CPU only; moving them to meta"):
-        layer.to("meta")
+    # float16 has no CPU build: the whole model converts, the layers run Hugging Face's forward
+    for first, convert in ((True, lambda m: m.half()), (False, lambda m: m.to(torch.float16))):
+        half = copy.deepcopy(ours)
+        with torch.no_grad():
+            half(**inputs)  # the layers' checks ran (and are kept while their modules stay the same)
+        convert(half)
+        assert all(p.dtype == torch.float16 for p in half.parameters())
+        with torch.no_grad(), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = half(**inputs).last_hidden_state
+        assert first == any("target cpu compiles float32, float64, bfloat16 layers; converting them to torch.float16"
+                            in str(w.message) for w in said)  # once per process
+        with torch.no_grad():
+            want = copy.deepcopy(plain).half()(**inputs).last_hidden_state
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+    back = half.float()  # converted back: the float32 build again, no fallback
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert real_rel(back(**inputs).last_hidden_state, copy.deepcopy(plain).half().double()(**inputs).last_hidden_state,
+                        inputs.get("attention_mask")) <= 1e-4  # against the same float16-rounded weights
+    assert back.encoder.layer[0].substation_compiled.config.dtype == "float32"
+    moved = copy.deepcopy(ours.encoder.layer[0]).to("meta")  # no build on that device either
+    assert moved.attention.self.query.weight.device.type == "meta"
+    with pytest.warns(UserWarning, match="run on the CPU only; moving them to meta"):
+        assert moved(torch.zeros(2, 3, I, device="meta")).device.type == "meta"
 
 
 def test_layer_norm_eps_of_any_positive_size():

@@ -73,7 +73,9 @@ class SubstationLayer:
     an additive ``finfo.min`` mask and zero probabilities with a bool mask, as the replaced layer.
 
     ``.to(dtype)``, ``.double()``, ``.float()`` switch to the build of that dtype through the build
-    cache; other dtypes and devices raise ``TypeError`` at that call. Settings changed after the
+    cache; a dtype or device the target does not compile (float16 or a GPU for a CPU build) converts the
+    layer all the same, and it runs the Hugging Face forward there, with a warning naming what the
+    target compiles, until it is converted back. Settings changed after the
     conversion (dropout probabilities, LayerNorm eps, the activation module) switch to the build of
     the new config at the next call; a submodule replaced by another class (a LoRA adapter) or a
     forward hook on a submodule makes the layer run the Hugging Face forward, with a warning.
@@ -139,6 +141,8 @@ class SubstationLayer:
         """
         if synced is not None:
             return synced
+        if self.__dict__.get("_substation_unbuilt"):
+            return self._substation_unbuilt
         if kwargs.get("output_attentions") or _attentions_requested():
             return "output_attentions=True (the compiled layer does not materialise attention probabilities)"
         for name in ("cache", "past_key_values", "layer_past", "head_mask"):
@@ -185,9 +189,12 @@ class SubstationLayer:
     def _apply(self, fn, recurse=True):
         weight = next(self.parameters(), None)
         dtype = weight.dtype if weight is not None else self.substation_compiled.forward.dtype
-        compiled = build_after_apply(self.substation_compiled, fn, dtype)  # raises before anything is converted
+        try:
+            compiled, unbuilt = build_after_apply(self.substation_compiled, fn, dtype), None
+        except TypeError as e:  # no build there: converted all the same (as the rest of the model is)
+            compiled, unbuilt = self.substation_compiled, str(e)
         out = super()._apply(fn, recurse)
-        self.substation_compiled = compiled
+        self.substation_compiled, self._substation_unbuilt = compiled, unbuilt
         return out
 
     def __getstate__(self):
