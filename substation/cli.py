@@ -427,25 +427,28 @@ def cmd_compare_layouts(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+def _number(text: str, kind: type, lowest: float, strict: bool):
+    """``text`` as ``kind`` (int or float), at least (``strict``: above) ``lowest``, for argparse."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+    if not (value > lowest if strict else value >= lowest):
+        raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lowest:g}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, 1, strict=False)
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+    return _number(text, float, 0, strict=True)
 
 
 def _nonnegative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _number(text, float, 0, strict=False)
 
 
 def _add_fp32_gemm(p: argparse.ArgumentParser) -> None:
@@ -571,6 +574,9 @@ def main(argv=None) -> int:
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
     try:
+        empty = [flag for flag in ("json", "plot", "out") if getattr(args, flag, None) == ""]
+        if empty:
+            raise OutputError(f"--{empty[0]} needs a path, got an empty one")
         if getattr(args, "plot", None) and not args.plot.lower().endswith(".png"):
             raise OutputError(f"--plot {args.plot}: the chart is a PNG image; give a file name ending in .png")
         for flag in ("json", "plot"):  # checked before the work: a refused output costs nothing

@@ -205,17 +205,32 @@ def _codegen(state: PipelineState) -> None:
                          for p, g in _graphs(state).items()}
 
 
-def _build(state: PipelineState) -> None:
+def _libraries(state: PipelineState, sources: dict[str, str]) -> dict:
+    """The built (or cached) library of each source, by phase."""
     if state.config.target == "cuda":
-        state.built = build_cuda_libraries(state.sources, state.config.cuda_arch)
-    else:
-        state.built = build_libraries(state.sources,
-                                      with_onednn=links_onednn(state.config.dtype, state.options.fp32_gemm))
+        return build_cuda_libraries(sources, state.config.cuda_arch)
+    return build_libraries(sources, with_onednn=links_onednn(state.config.dtype, state.options.fp32_gemm))
+
+
+def _build(state: PipelineState) -> None:
+    state.built = _libraries(state, state.sources)
+
+
+def _loaded(state: PipelineState, phase: str, graph: LayerGraph) -> CompiledGraph:
+    """The library of ``phase`` loaded; built again once when its cache entry was removed after it was
+    built (``substation cache --clear`` in another process meanwhile)."""
+    try:
+        return CompiledGraph(graph, state.built[phase].path)
+    except OSError:
+        if os.path.exists(state.built[phase].path):
+            raise
+    state.built.update(_libraries(state, {phase: state.sources[phase]}))
+    return CompiledGraph(graph, state.built[phase].path)
 
 
 def _load(state: PipelineState) -> None:
     opts = state.options
-    loaded = {p: CompiledGraph(g, state.built[p].path) for p, g in _graphs(state).items()}
+    loaded = {p: _loaded(state, p, g) for p, g in _graphs(state).items()}
     autocast_build, autocast_note = None, None
     if state.config.target == "cpu" and state.config.dtype == "float32":
         try:

@@ -1,5 +1,6 @@
 """The build cache: reuse, atomic publication, failed and corrupted builds, concurrent builders."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -130,3 +131,54 @@ def test_cache_lists_prunes_unused_and_clears(cache, capsys):
     assert main(["cache", "--clear"]) == 0 and "removed 0 builds, 0.0 MiB" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unused_seconds must be >= 0"):
         build.prune_cache(-1.0)
+
+
+def test_cache_lists_and_removes_builds_only(cache, monkeypatch):
+    build_library(SOURCE % 8, "kept-apart")
+    lookalike = cache / ("0" * 32)  # a build's name, but its manifest names no such key
+    lookalike.mkdir()
+    (lookalike / "manifest.json").write_text('{"foo": 1}')
+    mine = cache / "notes"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "manifest.json").write_text(json.dumps({"key": "notes"}))
+    old_trash = cache / "my.trash-stuff"
+    old_trash.mkdir()
+    os.utime(old_trash, (0, 0))
+    assert [e.label for e in build.cache_entries()] == ["kept-apart"]
+    real_rename = os.rename
+
+    def read_only(src, dst):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(os, "rename", read_only)
+    with pytest.raises(BuildError, match=r"removed 0 of 1 builds from .*; the others could not be removed "
+                                         r"\(Read-only file system\)"):
+        build.prune_cache()
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert len(build.prune_cache()) == 1
+    assert sorted(os.listdir(cache)) == sorted([lookalike.name, "notes", "my.trash-stuff"])
+
+
+def test_a_build_removed_before_it_is_loaded_is_built_again(cache, monkeypatch):
+    """``substation cache --clear`` in another process between a layer's build and its load."""
+    from substation.config import load_config
+    from substation.pipeline import compile_layer
+    real = build.build_libraries
+
+    def then_cleared(*args, **kwargs):
+        built = real(*args, **kwargs)
+        build.prune_cache()
+        return built
+    monkeypatch.setattr("substation.pipeline.build_libraries", then_cleared)
+    with pytest.raises(OSError):  # cleared again after the second build too: the load fails, naming the file
+        compile_layer(load_config("tiny"), mode="eval")
+    calls = []
+
+    def cleared_once(*args, **kwargs):
+        built = real(*args, **kwargs)
+        if not calls:
+            build.prune_cache()
+        calls.append(1)
+        return built
+    monkeypatch.setattr("substation.pipeline.build_libraries", cleared_once)
+    compiled = compile_layer(load_config("tiny"), mode="eval")
+    assert len(calls) == 2 and os.path.exists(compiled.forward.path)

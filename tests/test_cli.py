@@ -129,6 +129,20 @@ def test_unwritable_outputs_are_refused_before_the_work(tmp_path, capsys, monkey
         assert "the folder /proc is not writable" in capsys.readouterr().err
 
 
+def test_empty_paths_and_numbers_are_named(capsys):
+    for argv, flag in ((["report", "tiny", "--json", ""], "--json"), (["graphs", "tiny", "--out", ""], "--out"),
+                       (["bench", "tiny", "--plot", ""], "--plot")):
+        assert main(argv) == 2
+        assert f"{flag} needs a path, got an empty one" in capsys.readouterr().err
+    for value, message in (("abc", "must be a number, got 'abc'"), ("-1", "must be >= 0, got -1.0")):
+        with pytest.raises(SystemExit):
+            main(["cache", "--prune-days", value])
+        assert f"argument --prune-days: {message}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compile", "tiny", "--repeats", "1.5"])
+    assert "argument --repeats: must be an integer, got '1.5'" in capsys.readouterr().err
+
+
 def test_version(capsys):
     from substation import __version__
     with pytest.raises(SystemExit) as done:

@@ -323,6 +323,14 @@ def test_dtype_changes_rebuild_or_fall_back_to_hugging_face():
         with torch.no_grad():
             want = copy.deepcopy(plain).half()(**inputs).last_hidden_state
         assert got.dtype == torch.float16 and torch.equal(got, want)
+    fresh = convert(copy.deepcopy(ours))  # its first call in float16, then back: the checks run again
+    with torch.no_grad():
+        fresh(**inputs)
+    fresh.float()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh(**inputs)
+    assert fresh.encoder.layer[0].__dict__["_substation_seen"][1] is None  # the compiled path
     back = half.float()  # converted back: the float32 build again, no fallback
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -333,6 +341,12 @@ def test_dtype_changes_rebuild_or_fall_back_to_hugging_face():
     assert moved.attention.self.query.weight.device.type == "meta"
     with pytest.warns(UserWarning, match="run on the CPU only; moving them to meta"):
         assert moved(torch.zeros(2, 3, I, device="meta")).device.type == "meta"
+    moved.load_state_dict(ours.encoder.layer[0].state_dict(), assign=True)  # weights on the CPU again
+    hidden = torch.randn(2, 3, I)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(moved(hidden), ours.encoder.layer[0](hidden))
+    assert moved.__dict__["_substation_seen"][1] is None
 
 
 def test_layer_norm_eps_of_any_positive_size():

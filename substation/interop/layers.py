@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
+from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state, rebuild_for
 from ..runtime import CompiledLayer, run_layer
 from ..runtime.custom_ops import check_mask, check_mask_values, mask_differs
 from .families import FAMILIES, Family, NotConvertible, layer_config
@@ -100,7 +100,19 @@ class SubstationLayer:
 
     def _substation_sync(self) -> str | None:
         """:meth:`_substation_check` when the layer's submodules or settings changed since the last call
-        (its result is kept otherwise, with the modules that hold the parameters)."""
+        (its result is kept otherwise, with the modules that hold the parameters); first, for a layer
+        converted to a dtype or device without a build, whether its parameters have one now (loaded
+        with ``assign=True``, say) or why not."""
+        unbuilt = self.__dict__.get("_substation_unbuilt")
+        if unbuilt is not None:
+            weight = next(self.parameters(), None)
+            try:
+                if weight is not None:
+                    self.substation_compiled = rebuild_for(self.substation_compiled, weight.dtype, weight.device)
+            except TypeError as e:
+                return str(e)
+            self._substation_unbuilt = None
+            self.__dict__.pop("_substation_seen", None)
         fingerprint = self._substation_fingerprint()
         seen = self.__dict__.get("_substation_seen")
         if seen is None or seen[0] != fingerprint:
@@ -141,8 +153,6 @@ class SubstationLayer:
         """
         if synced is not None:
             return synced
-        if self.__dict__.get("_substation_unbuilt"):
-            return self._substation_unbuilt
         if kwargs.get("output_attentions") or _attentions_requested():
             return "output_attentions=True (the compiled layer does not materialise attention probabilities)"
         for name in ("cache", "past_key_values", "layer_past", "head_mask"):
@@ -195,6 +205,7 @@ class SubstationLayer:
             compiled, unbuilt = self.substation_compiled, str(e)
         out = super()._apply(fn, recurse)
         self.substation_compiled, self._substation_unbuilt = compiled, unbuilt
+        self.__dict__.pop("_substation_seen", None)  # the checks read the parameters' dtype: run them again
         return out
 
     def __getstate__(self):

@@ -16,6 +16,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -272,13 +273,23 @@ def _valid(entry: str) -> bool:
         return False
 
 
-def _discard(entry: str) -> None:
+#: The names of build entries: a key (32 hex digits), for CUDA builds after ``cuda-`` or ``cuda-emu-``;
+#: and of entries being deleted (:func:`_discard`).
+_ENTRY_NAME = re.compile(r"(cuda-(emu-)?)?[0-9a-f]{32}")
+_TRASH_NAME = re.compile(_ENTRY_NAME.pattern + r"\.trash-\d+-\d+")
+
+
+def _discard(entry: str) -> str | None:
+    """Rename ``entry`` away, then delete it; None, or why it could not be renamed (gone already: None)."""
     trash = f"{entry}.trash-{os.getpid()}-{time.monotonic_ns()}"
     try:
         os.rename(entry, trash)
-    except OSError:
-        return
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
     remove_path(trash, ignore_errors=True)  # an entry may have been replaced by a file
+    return None
 
 
 def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None:
@@ -286,7 +297,7 @@ def _remove_stale_temporaries(root: str, age_seconds: float = 24 * 3600) -> None
     now = time.time()
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if name.startswith(".tmp-") or ".trash-" in name:
+        if name.startswith(".tmp-") or _TRASH_NAME.fullmatch(name):
             try:
                 if now - os.path.getmtime(path) > age_seconds:
                     remove_path(path, ignore_errors=True)
@@ -315,8 +326,11 @@ class CacheEntry:
     last_used: float
 
 
+
+
 def cache_entries() -> list[CacheEntry]:
-    """The builds in :func:`cache_dir` (CPU and CUDA; folders with a ``manifest.json``), oldest use first.
+    """The builds in :func:`cache_dir`, oldest use first: folders (not links) named by a build key whose
+    ``manifest.json`` records that key (CPU and CUDA builds; anything else in the folder is not listed).
 
     Raises:
         BuildError: as :func:`cache_dir`.
@@ -325,13 +339,17 @@ def cache_entries() -> list[CacheEntry]:
     entries = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
+        if not _ENTRY_NAME.fullmatch(name) or os.path.islink(path):
+            continue
         try:
             with open(os.path.join(path, "manifest.json")) as f:
-                label = json.load(f).get("label", "")
-            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-            entries.append(CacheEntry(path, str(label), size, os.stat(path).st_mtime))
+                manifest = json.load(f)
+            if manifest.get("key") != name:
+                continue
+            size = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+            entries.append(CacheEntry(path, str(manifest.get("label", "")), size, os.stat(path).st_mtime))
         except (OSError, ValueError, AttributeError):
-            continue  # not a build (tuning records, temporaries) or removed meanwhile
+            continue  # removed meanwhile, or not a build
     return sorted(entries, key=lambda e: e.last_used)
 
 
@@ -344,16 +362,19 @@ def prune_cache(unused_seconds: float | None = None) -> list[CacheEntry]:
         The removed entries.
 
     Raises:
-        ValueError: ``unused_seconds`` negative. BuildError: as :func:`cache_dir`.
+        ValueError: ``unused_seconds`` negative. BuildError: as :func:`cache_dir`; some builds could not
+            be removed (a read-only cache: the message says how many were and why).
     """
     if unused_seconds is not None and not unused_seconds >= 0:
         raise ValueError(f"unused_seconds must be >= 0, got {unused_seconds}")
     now = time.time()
-    removed = [e for e in cache_entries() if unused_seconds is None or now - e.last_used > unused_seconds]
-    for e in removed:
-        _discard(e.path)
+    stale = [e for e in cache_entries() if unused_seconds is None or now - e.last_used > unused_seconds]
+    failed = [why for why in map(_discard, (e.path for e in stale)) if why]
     _remove_stale_temporaries(cache_dir())
-    return removed
+    if failed:
+        raise BuildError(f"removed {len(stale) - len(failed)} of {len(stale)} builds from {cache_dir()}; the others "
+                         f"could not be removed ({failed[0]})")
+    return stale
 
 
 @dataclasses.dataclass(frozen=True)
