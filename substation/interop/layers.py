@@ -103,16 +103,14 @@ class SubstationLayer:
         (its result is kept otherwise, with the modules that hold the parameters); first, for a layer
         converted to a dtype or device without a build, whether its parameters have one now (loaded
         with ``assign=True``, say) or why not."""
-        unbuilt = self.__dict__.get("_substation_unbuilt")
-        if unbuilt is not None:
+        if self.__dict__.get("_substation_unbuilt"):  # nothing is kept in _substation_seen meanwhile
             weight = next(self.parameters(), None)
             try:
                 if weight is not None:
                     self.substation_compiled = rebuild_for(self.substation_compiled, weight.dtype, weight.device)
             except TypeError as e:
                 return str(e)
-            self._substation_unbuilt = None
-            self.__dict__.pop("_substation_seen", None)
+            self._substation_unbuilt = False
         fingerprint = self._substation_fingerprint()
         seen = self.__dict__.get("_substation_seen")
         if seen is None or seen[0] != fingerprint:
@@ -200,9 +198,9 @@ class SubstationLayer:
         weight = next(self.parameters(), None)
         dtype = weight.dtype if weight is not None else self.substation_compiled.forward.dtype
         try:
-            compiled, unbuilt = build_after_apply(self.substation_compiled, fn, dtype), None
-        except TypeError as e:  # no build there: converted all the same (as the rest of the model is)
-            compiled, unbuilt = self.substation_compiled, str(e)
+            compiled, unbuilt = build_after_apply(self.substation_compiled, fn, dtype), False
+        except TypeError:  # no build there: converted all the same (as the rest of the model is)
+            compiled, unbuilt = self.substation_compiled, True
         out = super()._apply(fn, recurse)
         self.substation_compiled, self._substation_unbuilt = compiled, unbuilt
         self.__dict__.pop("_substation_seen", None)  # the checks read the parameters' dtype: run them again

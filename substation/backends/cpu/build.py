@@ -326,8 +326,6 @@ class CacheEntry:
     last_used: float
 
 
-
-
 def cache_entries() -> list[CacheEntry]:
     """The builds in :func:`cache_dir`, oldest use first: folders (not links) named by a build key whose
     ``manifest.json`` records that key (CPU and CUDA builds; anything else in the folder is not listed).
@@ -367,12 +365,12 @@ def prune_cache(unused_seconds: float | None = None) -> list[CacheEntry]:
     """
     if unused_seconds is not None and not unused_seconds >= 0:
         raise ValueError(f"unused_seconds must be >= 0, got {unused_seconds}")
-    now = time.time()
+    root, now = cache_dir(), time.time()
     stale = [e for e in cache_entries() if unused_seconds is None or now - e.last_used > unused_seconds]
     failed = [why for why in map(_discard, (e.path for e in stale)) if why]
-    _remove_stale_temporaries(cache_dir())
+    _remove_stale_temporaries(root)
     if failed:
-        raise BuildError(f"removed {len(stale) - len(failed)} of {len(stale)} builds from {cache_dir()}; the others "
+        raise BuildError(f"removed {len(stale) - len(failed)} of {len(stale)} builds from {root}; the others "
                          f"could not be removed ({failed[0]})")
     return stale
 
