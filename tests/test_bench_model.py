@@ -1,6 +1,7 @@
 """substation bench-model: whole-model training steps on a tiny BERT; the JSON is well formed (no speed
 targets), both models start from the same weights, a failing torch.compile variant is reported."""
 import json
+import os
 
 import pytest
 import torch
@@ -121,3 +122,12 @@ def test_bench_model_cli_errors(tmp_path, capsys):
     other.write_text(json.dumps({"model_type": "gpt2"}))
     assert main(["bench-model", "--model", str(other), "--no-compile"]) == 2
     assert "model_type 'bert'" in capsys.readouterr().err
+
+
+def test_peak_step_bytes_counts_a_step_and_drops_only_kinetos_notices(capfd):
+    def step():
+        torch.ones(1000, 1000).sum()
+        os.write(2, b"from the step\n")
+    assert bench_model.peak_step_bytes(step) >= 4_000_000  # the 1000 x 1000 float32 temporary
+    err = capfd.readouterr().err
+    assert "from the step" in err and "profiler_start" not in err and "profiler_stop" not in err

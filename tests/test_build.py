@@ -133,6 +133,18 @@ def test_cache_lists_prunes_unused_and_clears(cache, capsys):
         build.prune_cache(-1.0)
 
 
+def test_showing_or_clearing_an_absent_cache_creates_nothing(cache, capsys, tmp_path, monkeypatch):
+    from substation.cli import main
+    assert main(["cache"]) == 0 and main(["cache", "--clear"]) == 0
+    out = capsys.readouterr().out
+    assert f"build cache {cache} (not created yet): 0 builds, 0.0 MiB" in out and "removed 0 builds" in out
+    assert not cache.exists() and build.cache_entries() == [] and build.prune_cache() == []
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(BuildError, match=r"the build cache folder .*file cannot be read \(Not a directory\)"):
+        build.cache_entries()
+
+
 def test_cache_lists_and_removes_builds_only(cache, monkeypatch):
     build_library(SOURCE % 8, "kept-apart")
     lookalike = cache / ("0" * 32)  # a build's name, but its manifest names no such key

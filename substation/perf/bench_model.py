@@ -28,11 +28,15 @@ letters: B batch, J sequence positions, I hidden size. See docs/performance.md.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
 import json
 import os
+import re
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -245,6 +249,30 @@ def train_step(model, optimizer, inputs: dict) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, t3 - t2
 
 
+#: The line libkineto writes to the process's stderr as each profile starts and stops (not silenced by
+#: its log-level variables).
+_KINETO_NOTICE = re.compile(rb"USDT:[^\n]*\] profiler_(start|stop)\n?")
+
+
+@contextlib.contextmanager
+def _kineto_notices_dropped():
+    """Run the block with file descriptor 2 (C++ code's stderr) in a temporary file, then pass on what
+    it wrote except libkineto's :data:`_KINETO_NOTICE` lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = _KINETO_NOTICE.sub(b"", held.read())
+            if rest:
+                os.write(2, rest)
+
+
 def peak_step_bytes(step: Callable[[], object]) -> int:
     """Peak CPU bytes that PyTorch's allocator holds during ``step()`` above those it holds when it begins.
 
@@ -262,8 +290,14 @@ def peak_step_bytes(step: Callable[[], object]) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _kineto_notices_dropped():
+        prof.start()
+    try:
         step()
+    finally:
+        with _kineto_notices_dropped():
+            prof.stop()
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     events = [] if results is None else [e for e in results.events() if e.name() == "[memory]"
                                          and e.device_type() == torch.autograd.DeviceType.CPU]

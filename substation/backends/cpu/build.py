@@ -28,8 +28,9 @@ from ...files import remove_path
 from ...resources import csrc_dir, csrc_file
 from ...version import __version__
 
-__all__ = ["ToolchainError", "BuildError", "Toolchain", "OneDNN", "toolchain", "onednn", "cache_dir", "build_library",
-           "build_libraries", "cpu_flags", "require_bf16_isa", "CacheEntry", "cache_entries", "prune_cache"]
+__all__ = ["ToolchainError", "BuildError", "Toolchain", "OneDNN", "toolchain", "onednn", "cache_dir", "cache_path",
+           "CUDA_KEY_PREFIX", "build_library", "build_libraries", "cpu_flags", "require_bf16_isa", "CacheEntry",
+           "cache_entries", "prune_cache"]
 
 #: -mprefer-vector-width=512: GCC's tuning for recent Xeons keeps auto-vectorized loops at 256 bits;
 #: the compute-bound row kernels (GELU and its gradient) take 35-40% less time at 512 (docs/toolchain.md).
@@ -186,15 +187,20 @@ def toolchain() -> Toolchain:
     return Toolchain(exe, version, include, tuple(libs), blas_version)
 
 
+def cache_path() -> str:
+    """The build cache folder's path, created or not: ``$SUBSTATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/substation``, else ``~/.cache/substation``."""
+    return os.environ.get("SUBSTATION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "substation")
+
+
 def cache_dir() -> str:
-    """The build cache folder: ``$SUBSTATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/substation``, else
-    ``~/.cache/substation`` (created if needed).
+    """The build cache folder (:func:`cache_path`), created if needed.
 
     Raises:
         BuildError: the folder cannot be created or is not a folder.
     """
-    path = os.environ.get("SUBSTATION_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "substation")
+    path = cache_path()
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -273,9 +279,12 @@ def _valid(entry: str) -> bool:
         return False
 
 
-#: The names of build entries: a key (32 hex digits), for CUDA builds after ``cuda-`` or ``cuda-emu-``;
-#: and of entries being deleted (:func:`_discard`).
-_ENTRY_NAME = re.compile(r"(cuda-(emu-)?)?[0-9a-f]{32}")
+#: Prefixes of the build keys of other back ends' builds in the same cache: CUDA (``True``: emulated
+#: on the CPU) -> prefix (:func:`~substation.backends.cuda.build.build_cuda`).
+CUDA_KEY_PREFIX = {False: "cuda-", True: "cuda-emu-"}
+#: The names of build entries: a key (32 hex digits), possibly after a :data:`CUDA_KEY_PREFIX`; and of
+#: entries being deleted (:func:`_discard`).
+_ENTRY_NAME = re.compile("(" + "|".join(map(re.escape, CUDA_KEY_PREFIX.values())) + r")?[0-9a-f]{32}")
 _TRASH_NAME = re.compile(_ENTRY_NAME.pattern + r"\.trash-\d+-\d+")
 
 
@@ -327,15 +336,22 @@ class CacheEntry:
 
 
 def cache_entries() -> list[CacheEntry]:
-    """The builds in :func:`cache_dir`, oldest use first: folders (not links) named by a build key whose
-    ``manifest.json`` records that key (CPU and CUDA builds; anything else in the folder is not listed).
+    """The builds in :func:`cache_path`, oldest use first: folders (not links) named by a build key whose
+    ``manifest.json`` records that key (CPU and CUDA builds; anything else in the folder is not listed);
+    none where the folder does not exist (it is not created).
 
     Raises:
-        BuildError: as :func:`cache_dir`.
+        BuildError: the path exists but is not a readable folder.
     """
-    root = cache_dir()
+    root = cache_path()
+    if not os.path.lexists(root):
+        return []
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        raise BuildError(f"the build cache folder {root} cannot be read ({e.strerror})") from None
     entries = []
-    for name in os.listdir(root):
+    for name in names:
         path = os.path.join(root, name)
         if not _ENTRY_NAME.fullmatch(name) or os.path.islink(path):
             continue
@@ -352,7 +368,7 @@ def cache_entries() -> list[CacheEntry]:
 
 
 def prune_cache(unused_seconds: float | None = None) -> list[CacheEntry]:
-    """Remove the builds of :func:`cache_dir` not used for ``unused_seconds`` (None: every build), and
+    """Remove the builds of :func:`cache_path` not used for ``unused_seconds`` (None: every build), and
     the folders of builds killed over a day ago. Each entry is renamed away before it is deleted, so no
     process loads half of one; a process that loaded a library keeps it mapped. Tuning records stay.
 
@@ -360,15 +376,16 @@ def prune_cache(unused_seconds: float | None = None) -> list[CacheEntry]:
         The removed entries.
 
     Raises:
-        ValueError: ``unused_seconds`` negative. BuildError: as :func:`cache_dir`; some builds could not
+        ValueError: ``unused_seconds`` negative. BuildError: as :func:`cache_entries`; some builds could not
             be removed (a read-only cache: the message says how many were and why).
     """
     if unused_seconds is not None and not unused_seconds >= 0:
         raise ValueError(f"unused_seconds must be >= 0, got {unused_seconds}")
-    root, now = cache_dir(), time.time()
+    root, now = cache_path(), time.time()
     stale = [e for e in cache_entries() if unused_seconds is None or now - e.last_used > unused_seconds]
     failed = [why for why in map(_discard, (e.path for e in stale)) if why]
-    _remove_stale_temporaries(root)
+    if os.path.isdir(root):
+        _remove_stale_temporaries(root)
     if failed:
         raise BuildError(f"removed {len(stale) - len(failed)} of {len(stale)} builds from {root}; the others "
                          f"could not be removed ({failed[0]})")

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ...resources import csrc_dir, csrc_file
 from ...version import __version__
-from ..cpu.build import BuildError, BuildResult, ToolchainError, cached_build, find_cxx
+from ..cpu.build import CUDA_KEY_PREFIX, BuildError, BuildResult, ToolchainError, cached_build, find_cxx
 
 __all__ = ["CudaToolchain", "cuda_toolchain", "nvcc_flags", "build_cuda_library", "build_cuda_libraries",
            "emulation_toolchain", "arch_number", "KernelResources", "ptxas_resources", "ptx_entries"]
@@ -276,7 +276,7 @@ def build_cuda_library(source: str, label: str = "lib", arch: str = "sm_90", emu
     for part in (source, _header_text(), ident, " ".join(probe_cmd[1:]), str(emulate), __version__):
         h.update(part.encode())
         h.update(b"\0")
-    key = ("cuda-emu-" if emulate else "cuda-") + h.hexdigest()[:32]
+    key = CUDA_KEY_PREFIX[emulate] + h.hexdigest()[:32]
     return cached_build(key, label, source, "source.cu", lambda src, lib: _command(src, lib, arch, emulate)[0],
                         {"arch": arch, "emulate": emulate})
 
