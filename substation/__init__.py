@@ -12,12 +12,13 @@ from .pipeline import compile_layer
 from .version import __version__
 
 
-def compile(config, progress=None, fp32_gemm: str = "mkl") -> EncoderLayer:  # noqa: A001 - the package's verb
+def compile(config, progress=None, fp32_gemm: str = "auto") -> EncoderLayer:  # noqa: A001 - the package's verb
     """Compile an encoder config (an :class:`EncoderConfig`, a YAML path, a mapping or a bundled
     config name such as ``"bert-base"``) into an :class:`EncoderLayer` with freshly initialised
     parameters. ``progress``, if given, is called with each pass name as it starts; ``fp32_gemm`` is the
-    library of a float32 build's token-wise GEMMs, ``"mkl"`` (default) or ``"onednn"`` (faster on AMD
-    Zen 4; :class:`~substation.pipeline.PipelineOptions`, docs/toolchain.md); other dtypes ignore it.
+    library of a float32 build's token-wise GEMMs: ``"auto"`` (default: the inference build takes the
+    library measured faster on this machine, the training build MKL), ``"mkl"`` or ``"onednn"``
+    (:class:`~substation.pipeline.PipelineOptions`, docs/toolchain.md); other dtypes ignore it.
 
     Raises:
         ConfigError: an invalid config. FileNotFoundError: no such config file. ValueError: an unknown

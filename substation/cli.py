@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 
-from .backends.cpu.contraction import FP32_GEMM_LIBRARIES, float32_gemm_library
+from .backends.cpu.contraction import FP32_GEMM_CHOICES
 from .files import OutputError, check_output_dir, check_writable, publish_dir, publish_files
 from .version import __version__
 
@@ -162,7 +162,7 @@ def cmd_compile(args) -> int:
         "operators_by_class": {g.phase: {c: sum(o.op_class == c for o in g.operators()) for c in ("TC", "SN", "EW")}
                                for g in (fwd, bwd)},
         "saved_for_backward": [t.name for t in fwd.tensors.values() if t.role == "saved"],
-        "fp32_gemm": float32_gemm_library(config.dtype, args.fp32_gemm),
+        "fp32_gemm": compiled.fp32_gemm_library,
         "build_seconds": compiled.build_seconds,
         "pipeline_seconds": total,
         "max_rel_error_vs_pytorch": err,
@@ -175,7 +175,7 @@ def cmd_compile(args) -> int:
     c = config
     print(f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
           f"U={c.ffn_size} {c.activation} {c.layer_norm}-LN {c.dtype}"
-          + (f" ({args.fp32_gemm} GEMMs)" if c.dtype == "float32" else "") + f" mask={c.mask}")
+          + (f" ({compiled.fp32_gemm_library} GEMMs)" if compiled.fp32_gemm_library else "") + f" mask={c.mask}")
     print(f"operators: forward {report['operators']['forward']} {report['operators_by_class']['forward']}, "
           f"backward {report['operators']['backward']} {report['operators_by_class']['backward']}")
     print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")
@@ -263,7 +263,7 @@ def cmd_bench(args) -> int:
         print("substation: error: --dtype applies to the Substation vs PyTorch comparison; for --kernels or "
               "--compare-layouts set the config's dtype key", file=sys.stderr)
         return 2
-    if args.fp32_gemm != "mkl" and (args.compare_layouts or args.attention_lengths is not None):
+    if args.fp32_gemm != "auto" and (args.compare_layouts or args.attention_lengths is not None):
         print("substation: error: --fp32-gemm applies to the Substation vs PyTorch comparison and --kernels; "
               "--compare-layouts and --attention-lengths use the default library", file=sys.stderr)
         return 2
@@ -277,9 +277,8 @@ def cmd_bench(args) -> int:
                   "--seq-len or --plot", file=sys.stderr)
             return 2
         try:
-            lengths = [int(n) for n in args.attention_lengths.split(",")]
             result = bench_attention.run_bench_attention(
-                args.config, lengths, repeats=args.repeats, warmup=args.warmup, dtype=args.dtype,
+                args.config, args.attention_lengths, repeats=args.repeats, warmup=args.warmup, dtype=args.dtype,
                 progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         except ValueError as e:
             print(f"substation: error: {e}", file=sys.stderr)
@@ -452,10 +451,16 @@ def _nonnegative_float(text: str) -> float:
     return _number(text, float, 0, strict=False)
 
 
+def _lengths(text: str) -> list[int]:
+    """Comma-separated sequence lengths, each an integer >= 1, for argparse."""
+    return [_number(n.strip(), int, 1, strict=False) for n in text.split(",")]
+
+
 def _add_fp32_gemm(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fp32-gemm", choices=FP32_GEMM_LIBRARIES, default="mkl",
-                   help="library of float32 layers' token-wise GEMMs: mkl (default) or onednn (faster on AMD "
-                        "Zen 4; docs/toolchain.md); other dtypes ignore it")
+    p.add_argument("--fp32-gemm", choices=FP32_GEMM_CHOICES, default="auto",
+                   help="library of float32 layers' token-wise GEMMs: auto (default: inference builds the one "
+                        "measured faster on this machine, training builds mkl), mkl or onednn "
+                        "(docs/toolchain.md); other dtypes ignore it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -516,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attn_implementation of the Hugging Face BertLayer baseline (default sdpa)")
     p.add_argument("--kernels", action="store_true",
                    help="instead: time each memory-bound kernel and compare with the copy bandwidth")
-    p.add_argument("--attention-lengths", metavar="L,...",
+    p.add_argument("--attention-lengths", metavar="L,...", type=_lengths,
                    help="instead: the inference build's fused attention kernel against the unfused chain at these "
                         "sequence lengths (e.g. 128,512,2048): bytes, workspace, time")
     p.add_argument("--compare-layouts", action="store_true",

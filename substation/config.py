@@ -15,7 +15,7 @@ from typing import Any, Hashable, Mapping
 
 import yaml
 
-from .resources import bundled_file
+from .resources import bundled_file, bundled_names
 
 __all__ = ["ConfigError", "DropoutConfig", "EncoderConfig", "load_config"]
 
@@ -307,7 +307,8 @@ def load_config(source: "str | os.PathLike | EncoderConfig | Mapping[str, Any]")
         elif os.path.isdir(path):
             raise ConfigError(f"{path} is a folder; give a YAML config file or a bundled config name")
         elif not os.path.exists(path):
-            raise FileNotFoundError(f"config file not found: {path}")
+            raise FileNotFoundError(f"config file not found: {path} (bundled configs: "
+                                    f"{', '.join(bundled_names('.yaml'))})")
     with open(path, encoding="utf-8") as f:
         try:
             data = yaml.load(f, Loader=_Loader)

@@ -76,7 +76,7 @@ class EncoderLayer(nn.Module):
         self.__dict__.update(state)
 
     @classmethod
-    def from_hf(cls, hf_layer: nn.Module, fp32_gemm: str = "mkl", **config_overrides) -> "EncoderLayer":
+    def from_hf(cls, hf_layer: nn.Module, fp32_gemm: str = "auto", **config_overrides) -> "EncoderLayer":
         """Compile a standalone :class:`~substation.EncoderLayer` equivalent to a Hugging Face encoder layer
         (any family :func:`optimize` converts: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, DistilBERT,
         ViT, DeiT) and copy its weights into it (Substation's parameter names: ``in_proj_weight`` [3I, I] =
@@ -84,8 +84,8 @@ class EncoderLayer(nn.Module):
         in the source's train/eval mode and its parameters require grad where the source's did.
 
         See :func:`layer_config` for what is read from the layer; compiled builds are shared per process
-        by config. ``fp32_gemm``: the library of a float32 build's token-wise GEMMs, ``"mkl"`` (default)
-        or ``"onednn"`` (:class:`~substation.pipeline.PipelineOptions`; other dtypes ignore it).
+        by config. ``fp32_gemm``: the library of a float32 build's token-wise GEMMs, ``"auto"`` (default),
+        ``"mkl"`` or ``"onednn"`` (:class:`~substation.pipeline.PipelineOptions`; other dtypes ignore it).
 
         Returns:
             An :class:`~substation.EncoderLayer`; ``forward(hidden_states [B, J, I], attention_mask)``.
@@ -111,7 +111,7 @@ class EncoderLayer(nn.Module):
         return new
 
     @classmethod
-    def from_torch(cls, layer: nn.TransformerEncoderLayer, fp32_gemm: str = "mkl",
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, fp32_gemm: str = "auto",
                    **config_overrides) -> "EncoderLayer":
         """Compile an :class:`~substation.EncoderLayer` equivalent to ``torch.nn.TransformerEncoderLayer``
         and copy its weights.

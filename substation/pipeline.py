@@ -32,6 +32,7 @@ from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .passes.precision import applies_to as mixed_precision_applies
 from .passes.precision import cast_backward_contraction_inputs, mixed_precision
+from .perf.gemm_choice import resolve_fp32_gemm
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -56,9 +57,11 @@ class PipelineOptions:
             ``eval`` (the inference build: a forward library only: no dropout, nothing saved, intermediates in a
             workspace whose buffers are reused once dead; the default plan), one of :data:`MODES`.
         fp32_gemm: the library of float32 CPU builds' token-wise contractions (other builds ignore it):
-            ``"mkl"`` (``cblas_sgemm``) or ``"onednn"`` (``ss::matmul<float>``: 1.10-1.24x faster layers on
-            AMD Zen 4, with up to 2.2x PyTorch float32's error on weight gradients; docs/toolchain.md), one
-            of :data:`~substation.backends.cpu.contraction.FP32_GEMM_LIBRARIES`.
+            ``"auto"`` (default: inference builds the library measured faster on this machine, training
+            builds MKL; :mod:`substation.perf.gemm_choice`), ``"mkl"`` (``cblas_sgemm``) or ``"onednn"``
+            (``ss::matmul<float>``: 1.10-1.24x faster layers on AMD Zen 4, with up to 2.2x PyTorch
+            float32's error on weight gradients; docs/toolchain.md), one of
+            :data:`~substation.backends.cpu.contraction.FP32_GEMM_CHOICES`.
         float32_masters: bfloat16 CPU builds that a float32 layer runs under autocast: its parameters are
             float32 master weights. The inference build then takes the weights its GEMMs read from packed
             copies in float32 and rounds them to bf16 as it packs them (found again by their content),
@@ -74,7 +77,7 @@ class PipelineOptions:
     layout: Any = None
     instrument: bool = False
     mode: str = "train"
-    fp32_gemm: str = "mkl"
+    fp32_gemm: str = "auto"
     float32_masters: bool = False
 
     def __post_init__(self):
@@ -113,7 +116,7 @@ class PipelineOptions:
             layout = load_plan(layout)
         return cls(fuse=data.get("fuse", True), attention=data.get("attention", True), layout=layout,
                    instrument=data.get("instrument", False), mode=data.get("mode", "train"),
-                   fp32_gemm=data.get("fp32_gemm", "mkl"), float32_masters=data.get("float32_masters", False))
+                   fp32_gemm=data.get("fp32_gemm", "auto"), float32_masters=data.get("float32_masters", False))
 
 
 @dataclasses.dataclass
@@ -125,6 +128,8 @@ class PipelineState:
         forward, backward: the :class:`~substation.ir.graph.LayerGraph` pair (SDFGs inside); no
             backward graph in mode ``eval``.
         sources: generated source of each graph (``forward``/``backward``).
+        fp32_gemm: the library the float32 token-wise GEMMs of the sources call (``options.fp32_gemm``
+            resolved; None for CUDA and other dtypes).
         built: the build results (library paths, build seconds).
         compiled: the loaded :class:`~substation.runtime.CompiledLayer`.
     """
@@ -134,6 +139,7 @@ class PipelineState:
     forward: LayerGraph | None = None
     backward: LayerGraph | None = None
     sources: dict | None = None
+    fp32_gemm: str | None = None
     built: dict | None = None
     compiled: CompiledLayer | None = None
 
@@ -201,15 +207,16 @@ def _codegen(state: PipelineState) -> None:
     else:
         if state.config.dtype == "bfloat16":
             require_bf16_isa()
-        state.sources = {p: generate_cpu(g, state.options.instrument, state.options.fp32_gemm)
-                         for p, g in _graphs(state).items()}
+        library = resolve_fp32_gemm(state.options.fp32_gemm, state.config, state.options.mode)
+        state.fp32_gemm = library if state.config.dtype == "float32" else None
+        state.sources = {p: generate_cpu(g, state.options.instrument, library) for p, g in _graphs(state).items()}
 
 
 def _libraries(state: PipelineState, sources: dict[str, str]) -> dict:
     """The built (or cached) library of each source, by phase."""
     if state.config.target == "cuda":
         return build_cuda_libraries(sources, state.config.cuda_arch)
-    return build_libraries(sources, with_onednn=links_onednn(state.config.dtype, state.options.fp32_gemm))
+    return build_libraries(sources, with_onednn=links_onednn(state.config.dtype, state.fp32_gemm))
 
 
 def _build(state: PipelineState) -> None:
@@ -258,7 +265,8 @@ def _load(state: PipelineState) -> None:
         inference_build=functools.partial(cached_compile, state.config, fuse=opts.fuse, instrument=opts.instrument,
                                           mode="eval", attention=opts.attention, fp32_gemm=opts.fp32_gemm,
                                           float32_masters=opts.float32_masters),
-        autocast_build=autocast_build, autocast_note=autocast_note, no_dropout_build=no_dropout_build)
+        autocast_build=autocast_build, autocast_note=autocast_note, no_dropout_build=no_dropout_build,
+        fp32_gemm_library=state.fp32_gemm)
 
 
 _GRAPHS = frozenset({"forward", "backward"})
@@ -282,11 +290,12 @@ PASSES = (
          _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),
-    Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD, frozenset({"sources"}), _codegen),
-    Pass("build", "compile and link against BLAS / cuBLAS, through the build cache", frozenset({"sources"}),
-         frozenset({"built"}), _build),
-    Pass("load", "load the libraries behind the torch custom operators", frozenset({"built"}) | _FORWARD,
-         frozenset({"compiled"}), _load),
+    Pass("codegen", "generate C++ (CPU) or CUDA for each graph, choosing the float32 GEMM library",
+         _FORWARD, frozenset({"sources", "fp32_gemm"}), _codegen),
+    Pass("build", "compile and link against BLAS / cuBLAS, through the build cache",
+         frozenset({"sources", "fp32_gemm"}), frozenset({"built"}), _build),
+    Pass("load", "load the libraries behind the torch custom operators",
+         frozenset({"built", "fp32_gemm"}) | _FORWARD, frozenset({"compiled"}), _load),
 )
 
 
@@ -349,7 +358,7 @@ def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool =
 
 def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, instrument: bool = False,
                   fuse: bool = True, layout=None, mode: str = "train", attention: bool = True,
-                  fp32_gemm: str = "mkl", float32_masters: bool = False) -> CompiledLayer:
+                  fp32_gemm: str = "auto", float32_masters: bool = False) -> CompiledLayer:
     """Run every pass for ``config`` (a config, a YAML path or a bundled config name) and return the
     loaded :class:`~substation.runtime.CompiledLayer`.
 
@@ -370,7 +379,7 @@ _LOADED_LOCK = threading.Lock()
 
 def cached_compile(config: "EncoderConfig | str | os.PathLike", fuse: bool = True, layout=None,
                    instrument: bool = False, mode: str = "train", attention: bool = True,
-                   fp32_gemm: str = "mkl", float32_masters: bool = False) -> CompiledLayer:
+                   fp32_gemm: str = "auto", float32_masters: bool = False) -> CompiledLayer:
     """:func:`compile_layer`, memoised per process by config and options: layers of equal configs (the
     twelve layers of a BERT model, a pickled layer loaded twice) share one loaded build, on top of
     the on-disk build cache. A layout given as a :class:`~substation.passes.layout.LayoutPlan`

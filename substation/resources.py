@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.resources
 import os
 
-__all__ = ["csrc_dir", "csrc_file", "configs_dir", "bundled_file"]
+__all__ = ["csrc_dir", "csrc_file", "configs_dir", "bundled_file", "bundled_names"]
 
 
 def _folder(package: str) -> str:
@@ -88,3 +88,13 @@ def bundled_file(name: str, suffix: str) -> str | None:
     """
     path = os.path.join(configs_dir(), f"{name}{suffix}")
     return path if os.path.isfile(path) else None
+
+
+def bundled_names(suffix: str) -> list[str]:
+    """The names of the bundled files ending in ``suffix`` (``".yaml"``: configs, ``".plan.json"``:
+    layout plans), sorted; none when there is no configs folder."""
+    try:
+        folder = configs_dir()
+    except FileNotFoundError:
+        return []
+    return sorted(n[:-len(suffix)] for n in os.listdir(folder) if n.endswith(suffix))

@@ -1,5 +1,6 @@
 """Shared fixtures: compiled layers are built once per session (and reused from the build cache)."""
 import functools
+import os
 
 import pytest
 import torch
@@ -9,6 +10,11 @@ from substation.config import load_config
 from substation.reference import ReferenceEncoderLayer
 
 NO_DROPOUT = {"attention": 0.0, "hidden": 0.0, "activation": 0.0}
+
+# What fp32_gemm="auto" means is pinned for the suite, so that every machine runs the same builds
+# (tests/test_gemm_choice.py tests the measured choice); SUBSTATION_FP32_GEMM=onednn runs the suite's
+# inference builds on oneDNN's float32 matmul instead.
+os.environ.setdefault("SUBSTATION_FP32_GEMM", "mkl")
 
 
 def nvcc_skip_reason() -> str | None:

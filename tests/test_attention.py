@@ -156,8 +156,9 @@ def test_bench_attention_cli(tmp_path, capsys):
             row["attention_seconds"]["unfused"]["median"] / row["attention_seconds"]["fused"]["median"])
     assert "attn ms fused" in capsys.readouterr().out
     assert main(["bench", "tiny", "--attention-lengths", "8", "--mode", "eval"]) == 2
-    assert main(["bench", "tiny", "--attention-lengths", "0"]) == 2
-    assert "lengths >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "tiny", "--attention-lengths", "0"])
+    assert "argument --attention-lengths: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @needs_bf16

@@ -141,6 +141,10 @@ def test_empty_paths_and_numbers_are_named(capsys):
     with pytest.raises(SystemExit):
         main(["compile", "tiny", "--repeats", "1.5"])
     assert "argument --repeats: must be an integer, got '1.5'" in capsys.readouterr().err
+    for value, message in (("128,abc", "must be an integer, got 'abc'"), ("128,0", "must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            main(["bench", "tiny", "--attention-lengths", value])
+        assert f"argument --attention-lengths: {message}" in capsys.readouterr().err
 
 
 def test_version(capsys):

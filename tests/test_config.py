@@ -75,6 +75,11 @@ def test_yaml_errors(tmp_path, content, error, words):
 def test_yaml_files_without_errors_and_a_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(FileNotFoundError, match=r"config file not found: nope \(bundled configs: bert-base, .*minilm-l6, tiny\)"):
+        load_config("nope")
+    from substation.passes.layout import load_plan
+    with pytest.raises(FileNotFoundError, match=r"no layout plan '/no/such.json': no such file, nor a bundled plan \(bert-base, default\)"):
+        load_plan("/no/such.json")
     number = tmp_path / "number.yaml"
     number.write_text('name: "123"\n')
     assert load_config(number).name == "123"

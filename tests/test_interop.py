@@ -318,7 +318,7 @@ def test_optimize_with_onednn_float32_gemms():
     am[1, 4:] = 0
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=am).last_hidden_state
-    with pytest.raises(ValueError, match="fp32_gemm .* must be one of mkl, onednn, got 'cublas'"):
+    with pytest.raises(ValueError, match="fp32_gemm .* must be one of auto, mkl, onednn, got 'cublas'"):
         optimize(model, fp32_gemm="cublas")
     assert not any(isinstance(m, SubstationLayer) for m in model.modules())
     optimize(model, fp32_gemm="onednn")
@@ -337,7 +337,7 @@ def test_optimize_with_onednn_float32_gemms():
     assert torch.equal(out, out_copy)
     single = from_hf(hf_layer(torch.float32), fp32_gemm="onednn")
     assert single.compiled.options["fp32_gemm"] == "onednn"
-    with pytest.raises(ValueError, match="fp32_gemm .* must be one of mkl, onednn, got \\['mkl'\\]"):
+    with pytest.raises(ValueError, match="fp32_gemm .* must be one of auto, mkl, onednn, got \\['mkl'\\]"):
         from_hf(hf_layer(torch.float32), fp32_gemm=["mkl"])
     # optimizing again keeps the builds, and says so when another library is asked for
     with pytest.warns(UserWarning, match="keep their builds \\(fp32_gemm='onednn'\\)"):

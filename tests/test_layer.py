@@ -73,7 +73,7 @@ def test_float32_error_within_twice_pytorch(placement, activation, masked, fp32_
 @pytest.mark.parametrize("fp32_gemm,batch,seq", [("mkl", 4, 80), ("onednn", 4, 80), ("onednn", 1, 24)])
 def test_float32_gemm_libraries_at_oneDNN_sizes(fp32_gemm, batch, seq):
     """320 token rows (from kFloatMinRows = 256 rows oneDNN's float32 matmul runs every token-wise GEMM)
-    and 24 (below, those of k > kFloatChunk go to MKL), with an inner dimension U = 600 > kFloatChunk = 512
+    and 24 (below, they go to MKL), with an inner dimension U = 600 > kFloatChunk = 512
     (at 320 rows linear2 and linear1's dX sum two chunks, the last of 88): every output and gradient within
     2x (MKL) or 3x (oneDNN) PyTorch float32's error against float64."""
     config = SMALL.replace(batch_size=batch, max_seq_len=seq, ffn_size=600, dtype="float32")

@@ -22,7 +22,7 @@ def test_the_passes_in_order_and_their_contracts():
 def test_options_are_typed_and_round_trip_through_json():
     options = PipelineOptions(fuse=False, layout="bert-base", instrument=True, fp32_gemm="onednn")
     assert PipelineOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
-    with pytest.raises(ValueError, match="fp32_gemm .* must be one of mkl, onednn, got 'blas'"):
+    with pytest.raises(ValueError, match="fp32_gemm .* must be one of auto, mkl, onednn, got 'blas'"):
         PipelineOptions(fp32_gemm="blas")
     with pytest.raises(TypeError, match="PipelineOptions.fuse must be a bool"):
         PipelineOptions(fuse="yes")

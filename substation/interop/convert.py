@@ -12,7 +12,7 @@ import warnings
 from torch import nn
 
 from ..config import ConfigError, EncoderConfig
-from ..backends.cpu.contraction import check_fp32_gemm, float32_gemm_library
+from ..backends.cpu.contraction import check_fp32_gemm
 from ..pipeline import cached_compile
 from .families import NotConvertible, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in
@@ -53,7 +53,7 @@ def _check_overrides(overrides: dict, what: str) -> None:
         raise ConfigError(f"{what}: {key}={value!r} cannot override the model's layers: {hint}; the fields "
                           f"a conversion may set are {', '.join(sorted(DROP_IN_OVERRIDES))}")
 
-def drop_in(hf_layer: nn.Module, fp32_gemm: str = "mkl", **config_overrides) -> nn.Module:
+def drop_in(hf_layer: nn.Module, fp32_gemm: str = "auto", **config_overrides) -> nn.Module:
     """The drop-in replacement of one Hugging Face encoder layer (what :func:`optimize` puts in its
     place): it shares ``hf_layer``'s submodules and parameters and runs Substation's compiled code.
     ``fp32_gemm``: as :func:`optimize`.
@@ -116,7 +116,7 @@ def _encoder_layer_candidates(model: nn.Module):
             yield name, module, family
 
 
-def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **config_overrides) -> nn.Module:
+def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "auto", **config_overrides) -> nn.Module:
     """Replace, in place, every encoder layer of a supported Hugging Face family inside ``model`` with
     a drop-in layer running Substation's compiled code, and return ``model``.
 
@@ -134,9 +134,10 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
     Args:
         model: the model, modified in place.
         strict: raise instead of keeping layers that cannot be converted.
-        fp32_gemm: the library of float32 layers' token-wise GEMMs: ``"mkl"`` (default) or ``"onednn"``
-            (faster on AMD Zen 4; :class:`~substation.pipeline.PipelineOptions`, docs/toolchain.md);
-            float64 and bfloat16 layers ignore it.
+        fp32_gemm: the library of float32 layers' token-wise GEMMs: ``"auto"`` (default: inference
+            builds take the library measured faster on this machine, training builds MKL), ``"mkl"`` or
+            ``"onednn"`` (:class:`~substation.pipeline.PipelineOptions`, docs/toolchain.md); float64 and
+            bfloat16 layers ignore it.
         **config_overrides: :class:`~substation.EncoderConfig` fields applied to every layer's config:
             only those of :data:`DROP_IN_OVERRIDES` (nominal sizes, the name, the CUDA architecture,
             ``mask: none``); the rest is the model's.
@@ -168,9 +169,8 @@ def optimize(model: nn.Module, strict: bool = False, fp32_gemm: str = "mkl", **c
                              "substation.EncoderLayer.from_hf(layer)")
         if isinstance(module, SubstationLayer):
             already += 1
-            kept = float32_gemm_library(module.substation_compiled.config.dtype,
-                                        module.substation_compiled.options["fp32_gemm"])
-            if kept not in (None, fp32_gemm):
+            kept = module.substation_compiled.options["fp32_gemm"]
+            if module.substation_compiled.config.dtype == "float32" and kept != fp32_gemm:
                 other_gemm.add(kept)
             continue
         try:

@@ -37,7 +37,6 @@ from typing import Callable
 
 from ..config import load_config
 from ..layer import EncoderLayer
-from ..backends.cpu.contraction import float32_gemm_library
 from ..pipeline import MODES, compile_layer
 from .analysis import analyze, measure, operator_count
 from .baselines import eager_baseline, padded_from, padding_mask, real_token_error
@@ -64,7 +63,7 @@ SCHEMA = "substation-bench/1"
 # -- cold compiles -------------------------------------------------------------------------------
 
 
-def _cold_compile(config, layout=None, fp32_gemm: str = "mkl"):
+def _cold_compile(config, layout=None, fp32_gemm: str = "auto"):
     """(CompiledLayer, pipeline seconds) with an empty, temporary build cache."""
     with tempfile.TemporaryDirectory(prefix="substation-bench-cache-") as tmp, env_var("SUBSTATION_CACHE_DIR", tmp):
         t0 = time.perf_counter()
@@ -93,7 +92,7 @@ def _apply_overrides(config, batch_size: int | None, seq_len: int | None, dtype:
 def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None = None,
               seq_len: int | None = None, include_compile: bool = True, compile_backend: str = "inductor",
               hf_attn: str = "sdpa", seed: int = 0, layout=None, mode: str = "train", dtype: str | None = None,
-              fp32_gemm: str = "mkl", progress: Callable[[str], None] | None = None) -> dict:
+              fp32_gemm: str = "auto", progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark the compiled layer against PyTorch eager and ``torch.compile`` (see the module docstring).
 
     Args:
@@ -116,7 +115,7 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
         dtype: override the config's dtype; ``bfloat16``: everything under CPU bf16 autocast (see the
             module docstring).
         fp32_gemm: the library of a float32 build's token-wise GEMMs (``compile_layer(fp32_gemm=...)``);
-            the limit's GEMM rate is that library's.
+            the limit's GEMM rate is that of the library the timed build calls (the result's ``fp32_gemm``).
         progress: called with a short message before each phase.
 
     Returns:
@@ -230,13 +229,14 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
     timed = "forward_backward" if train else "forward"
     sub = med["substation"][timed]
     say("limit: BLAS GEMM rate, FMA peak and copy bandwidth")
-    limit = time_limit(config, {n: med[n][timed] for n in med}, mode=mode, fp32_gemm=fp32_gemm)
+    library = (compiled if train else compiled.forward_only()).fp32_gemm_library
+    limit = time_limit(config, {n: med[n][timed] for n in med}, mode=mode, fp32_gemm=library or "mkl")
     result = {
         "schema": SCHEMA,
         "config": config.to_dict(),
         "batch_size": b, "seq_len": j, "dtype": config.dtype,
         "layout": None if layout is None else str(layout),
-        "fp32_gemm": float32_gemm_library(config.dtype, fp32_gemm),
+        "fp32_gemm": library,
         "mode": mode,
         "dropout": dataclasses.asdict(config.dropout),
         "mask": (None if mask is None else
@@ -257,8 +257,8 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
 def time_limit(config, measured_seconds: dict | None = None, mode: str = "train", fp32_gemm: str = "mkl") -> dict:
     """The analysis' lower bound on one forward+backward step of ``config`` (``mode="eval"``: one
     forward pass of the inference build), from rates measured now: contraction flop at the GEMM rate of
-    the library the build calls (float32: ``fp32_gemm``'s) plus the SN/EW kernels' required bytes at the
-    copy bandwidth.
+    the library the build calls (float32: ``fp32_gemm``, ``"mkl"`` or ``"onednn"``) plus the SN/EW
+    kernels' required bytes at the copy bandwidth.
 
     ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
     graphs' counts (:func:`substation.perf.analysis.analyze`), :func:`~substation.perf.probes.gemm_rate` (the
@@ -316,7 +316,7 @@ def _load():
 # -- per-kernel table ----------------------------------------------------------------------------
 def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | None = None,
                  seq_len: int | None = None, copy_bytes: int | None = None, layout=None,
-                 fp32_gemm: str = "mkl") -> dict:
+                 fp32_gemm: str = "auto") -> dict:
     """Time every memory-bound (SN/EW, fused or not) kernel of the compiled layer and relate its bytes
     to the machine's copy bandwidth.
 
@@ -368,7 +368,7 @@ def kernel_table(config, repeats: int = 20, warmup: int = 3, batch_size: int | N
                          "bandwidth": nbytes / secs if secs else None,
                          "fraction_of_copy": nbytes / secs / m.copy_bandwidth if secs else None,
                          "pass_seconds": m.pass_seconds.get(phase)}
-    return {"schema": SCHEMA, "config": config.to_dict(), "fp32_gemm": float32_gemm_library(config.dtype, fp32_gemm),
+    return {"schema": SCHEMA, "config": config.to_dict(), "fp32_gemm": compiled.fp32_gemm_library,
             "batch_size": config.batch_size,
             "seq_len": config.max_seq_len, "dtype": config.dtype,
             "layout": None if layout is None else str(layout), "mode": "train", "threads": machine["threads"],

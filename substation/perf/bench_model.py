@@ -414,6 +414,7 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
         "replaced_layers": replaced,
         "optimize_seconds": optimize_seconds,
         "substation_build_seconds": [dict(c.build_seconds) for c in builds.values()],
+        "fp32_gemm_libraries": sorted({c.fp32_gemm_library for c in builds.values()} - {None}),
         "substation_threads": sub_threads,
         "check": {"mode": "eval (dropout off), before any step", "loss_plain": loss_plain,
                   "loss_optimized": loss_opt, "abs_diff": abs(loss_plain - loss_opt)},
@@ -427,7 +428,7 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
 
 def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", batch: int = 8, seq_len: int = 128,
                     rounds: int = 10, warmup: int = 1, include_compile: bool = True,
-                    compile_backend: str = "inductor", seed: int = 0, fp32_gemm: str = "mkl",
+                    compile_backend: str = "inductor", seed: int = 0, fp32_gemm: str = "auto",
                     progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark a whole training step with and without :func:`substation.optimize` (see the module docstring).
 
@@ -441,7 +442,8 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
         include_compile: also the two ``torch.compile`` variants.
         compile_backend: ``torch.compile`` backend (``"eager"`` is for quick tests; recorded).
         seed: seeds the parameters that are not loaded, the batch and the labels.
-        fp32_gemm: the library of the float32 layers' token-wise GEMMs (:func:`substation.optimize`).
+        fp32_gemm: the library of the float32 layers' token-wise GEMMs (:func:`substation.optimize`); the
+            result's ``fp32_gemm`` is the library the training builds call (None: no float32 build).
         progress: called with a short message before each phase.
 
     Returns:
@@ -479,13 +481,14 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
             torch._dynamo.reset()  # its caches keep the compiled models (and their memory) alive
         gc.collect()
     c = spec.config
+    libraries = sorted({lib for h in heads.values() for lib in h.pop("fp32_gemm_libraries")})
     return {
         "schema": SCHEMA,
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,
                   "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
                   "num_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
                   "vocab_size": c.vocab_size, "hidden_act": c.hidden_act, "attn_implementation": "sdpa"},
-        "batch_size": batch, "seq_len": seq_len, "mode": "train", "fp32_gemm": fp32_gemm,
+        "batch_size": batch, "seq_len": seq_len, "mode": "train", "fp32_gemm": ", ".join(libraries) or None,
         "dropout": {"attention": c.attention_probs_dropout_prob, "hidden": c.hidden_dropout_prob},
         "mask": f"attention_mask [B, J]: rows {batch // 2}..{batch - 1} padded from position {(3 * seq_len) // 4} on",
         "optimizer": {"name": "AdamW", "lr": LEARNING_RATE,
@@ -525,7 +528,7 @@ def format_bench_model(r: dict) -> str:
              f"U={m['intermediate_size']} vocab {m['vocab_size']} {m['hidden_act']}; {m['source']}",
              f"B={r['batch_size']} L={r['seq_len']}, train mode, dropout {r['dropout']['attention']}/"
              f"{r['dropout']['hidden']}, {r['mask']}; AdamW lr {r['optimizer']['lr']}; "
-             f"float32 GEMMs: {r.get('fp32_gemm', 'mkl')}",
+             f"float32 GEMMs: {r.get('fp32_gemm') or '-'}",
              f"machine: {mc['cpu']}, {mc['cores']} logical CPUs; threads: {r['threads']} (all variants)"
              + (f"; load average {load[0]:.2f}" if load else "")]
     for head, h in r["heads"].items():

@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 
 from ..interop import optimize
-from ..backends.cpu.contraction import check_fp32_gemm, float32_gemm_library
+from ..backends.cpu.contraction import check_fp32_gemm
 from .baselines import padded_from, padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
 from .probes import machine_info
@@ -298,7 +298,7 @@ def _bench_shape(models: dict, reference, plain_bert, batch: int, seq: int, roun
 
 def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, rounds: int = 5, warmup: int = 1,
                          include_compile: bool = True, include_ort: bool = True, compile_backend: str = "inductor",
-                         seed: int = 0, dtype: str = "float32", fp32_gemm: str = "mkl",
+                         seed: int = 0, dtype: str = "float32", fp32_gemm: str = "auto",
                          progress: Callable[[str], None] | None = None) -> dict:
     """Benchmark whole-model inference with and without :func:`substation.optimize` (see the module docstring).
 
@@ -314,7 +314,8 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         include_ort: also ``ort`` when ONNX Runtime is installed (else recorded as skipped, with the reason).
         seed: chooses the words of the sentences.
         dtype: ``float32``, or ``bfloat16``: every call under bf16 autocast (ONNX Runtime left out).
-        fp32_gemm: the library of the float32 layers' token-wise GEMMs (:func:`substation.optimize`).
+        fp32_gemm: the library of the float32 layers' token-wise GEMMs (:func:`substation.optimize`); the
+            result's ``fp32_gemm`` is the library the inference builds call (None in bfloat16).
         progress: called with a short message before each phase.
 
     Returns:
@@ -389,7 +390,7 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         torch._dynamo.reset()  # its caches keep the compiled model alive
     c = spec.config
     return {
-        "schema": SCHEMA, "mode": "eval", "dtype": dtype, "fp32_gemm": float32_gemm_library(dtype, fp32_gemm),
+        "schema": SCHEMA, "mode": "eval", "dtype": dtype, "fp32_gemm": next((c.fp32_gemm_library for c in inference), None),
         "precision": ("torch.autocast('cpu', dtype=torch.bfloat16) around float32 weights" if dtype == "bfloat16"
                       else "float32"),
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,

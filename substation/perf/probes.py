@@ -12,10 +12,10 @@ import statistics
 import time
 
 from ..backends.cpu.build import build_library
-from ..backends.cpu.contraction import check_fp32_gemm
+from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..resources import csrc_file
 
-__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "machine_info"]
+__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info"]
 
 
 def _l3_bytes() -> int:
@@ -115,22 +115,21 @@ def _probe_dtype(dtype: str, allowed=("float32", "float64")) -> int:
     return int(dtype == "float64")
 
 
-def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5, fp32_gemm: str = "mkl") -> float:
-    """The GEMM rate in flop/s of the library the generated code calls: the best over ``shapes``
-    (``(m, n, k)`` tuples) of 2 m n k / seconds of the fastest of ``repeats`` row-major
-    ``C[m, n] = A[m, k] B[k, n]`` calls, on the generated code's OpenMP threads; one untimed call per
-    shape comes first. ``float32``: MKL's ``cblas_sgemm`` (``fp32_gemm="mkl"``, the default library of
-    float32 builds) or oneDNN's float32 matmul as builds call it (``"onednn"``: ``ss::matmul<float>``,
-    k summed in chunks of 512); ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16
-    in and out: ``ss::matmul``).
+def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = "float32") -> list[float]:
+    """Seconds of each of ``shapes`` (``(m, n, k)`` tuples): the fastest of ``repeats`` row-major
+    ``C[m, n] = A[m, k] B[k, n]`` calls of the library the generated code calls, on its OpenMP threads,
+    after one untimed call. ``float32``: MKL's ``cblas_sgemm`` (``fp32_gemm="mkl"``) or oneDNN's float32
+    matmul as builds call it (``"onednn"``: ``ss::matmul<float>``, k summed in chunks of 512, fewer than
+    256 rows on MKL); ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16 in and out).
 
     Raises:
-        ValueError: another dtype or ``fp32_gemm``, no shapes, a size < 1 or ``repeats`` < 1.
+        ValueError: another dtype or ``fp32_gemm`` (a library, not ``"auto"``), no shapes, a size < 1 or
+            ``repeats`` < 1.
         ToolchainError, BuildError: the probe library cannot be built.
         RuntimeError: oneDNN refused a call.
     """
     use_double = _probe_dtype(dtype, ("float32", "float64", "bfloat16"))
-    check_fp32_gemm(fp32_gemm)
+    check_fp32_gemm(fp32_gemm, FP32_GEMM_LIBRARIES)
     shapes = [tuple(int(v) for v in s) for s in shapes]
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
         raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
@@ -140,9 +139,20 @@ def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int
         seconds = [probe(m, n, k, repeats) for m, n, k in shapes]
         if min(seconds) < 0:
             raise RuntimeError(f"oneDNN refused a {dtype} matmul of the shapes {shapes}")
-    else:
-        lib = _probe_library()
-        seconds = [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]
+        return seconds
+    lib = _probe_library()
+    return [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]
+
+
+def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5, fp32_gemm: str = "mkl") -> float:
+    """The GEMM rate in flop/s of the library the generated code calls (:func:`gemm_seconds`): the best
+    over ``shapes`` of 2 m n k / seconds.
+
+    Raises:
+        as :func:`gemm_seconds`.
+    """
+    shapes = [tuple(int(v) for v in s) for s in shapes]
+    seconds = gemm_seconds(shapes, fp32_gemm, repeats, dtype)
     return max(2.0 * m * n * k / s for (m, n, k), s in zip(shapes, seconds))
 
 

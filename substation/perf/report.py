@@ -106,7 +106,7 @@ def format_report(analysis: Analysis) -> str:
                       f"{tot['bytes'] / 1e6:.4g} MB"]
     if a.optimized:
         lines.append(f"data movement reduction vs the unfused graphs: {a.data_movement_reduction_pct:.2f}% "
-                     f"({a.unfused_bytes / 1e6:.1f} MB -> {tot['bytes'] / 1e6:.1f} MB; paper: up to "
+                     f"({a.unfused_bytes / 1e6:.4g} MB -> {tot['bytes'] / 1e6:.4g} MB; paper: up to "
                      f"{PAPER_MAX_REDUCTION_PCT}%)")
     if m:
         lines.append(f"measured: copy bandwidth {m.copy_bandwidth / 1e9:.2f} GB/s (STREAM-like copy, "

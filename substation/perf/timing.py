@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import tempfile
@@ -15,7 +16,7 @@ import time
 from typing import Callable, Iterable
 
 __all__ = ["PASSES", "Candidate", "env_var", "fresh_inductor_cache", "interleaved_rounds", "interleaved_times", "sample_stats",
-           "saved_tensor_bytes", "set_substation_threads", "time_step"]
+           "saved_tensor_bytes", "set_substation_threads", "sign_test_wins", "time_step"]
 
 #: The timed passes of a training step, in order (``forward_backward`` is one step's forward plus its backward).
 PASSES = ("forward", "backward", "forward_backward")
@@ -204,3 +205,12 @@ def sample_stats(samples: list[float]) -> dict:
     q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
             "q1": q[0], "q3": q[2], "samples": list(samples)}
+
+
+def sign_test_wins(rounds: int, alpha: float = 0.05) -> int:
+    """The fewest wins out of ``rounds`` paired rounds that a one-sided sign test accepts at level
+    ``alpha`` (P[Binomial(rounds, 1/2) >= wins] <= alpha); ``rounds + 1`` when none does."""
+    for k in range(rounds + 1):
+        if sum(math.comb(rounds, i) for i in range(k, rounds + 1)) / 2 ** rounds <= alpha:
+            return k
+    return rounds + 1

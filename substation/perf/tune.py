@@ -50,7 +50,7 @@ from ..version import __version__
 from . import timing
 from .baselines import padding_mask
 from .probes import copy_bandwidth, gemm_rate
-from .timing import interleaved_times
+from .timing import interleaved_times, sign_test_wins
 
 __all__ = ["TuneCache", "TuneResult", "calibrate", "tune", "measure_candidates", "compare_layouts"]
 
@@ -470,15 +470,6 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
                                                            "measured_transposes", "unmeasured_choices",
                                                            "verification")})
     return TuneResult(plan, sol, problem, report)
-
-
-def sign_test_wins(rounds: int, alpha: float = 0.05) -> int:
-    """The fewest wins out of ``rounds`` paired rounds that a one-sided sign test accepts at level
-    ``alpha`` (P[Binomial(rounds, 1/2) >= wins] <= alpha); ``rounds + 1`` when none does."""
-    for k in range(rounds + 1):
-        if sum(math.comb(rounds, i) for i in range(k, rounds + 1)) / 2 ** rounds <= alpha:
-            return k
-    return rounds + 1
 
 
 def _default_sol(problem: LayoutProblem, sol: Solution) -> Solution:

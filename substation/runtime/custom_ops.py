@@ -57,15 +57,25 @@ def mask_differs(mask: torch.Tensor) -> str | None:
 
 
 def check_mask_values(mask: torch.Tensor) -> None:
-    """Refuse a float (additive) mask holding NaN or +inf (reads the data).
+    """Refuse a float (additive) mask holding NaN or +inf, and an integer mask holding other values than
+    0 and 1 (reads the data).
 
     Raises:
-        ValueError: NaN or +inf in ``mask`` (every score it touches would be NaN).
+        ValueError: NaN or +inf in a float ``mask`` (every score it touches would be NaN); an integer
+            value other than 0 or 1 (an additive mask stored as integers would be read as keys to attend).
     """
-    top = mask.max() if mask.is_floating_point() and mask.numel() else None  # NaN if any: max propagates it
-    if top is not None and not bool(top < float("inf")):
-        raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
-                         "large negative value, attended keys 0")
+    if not mask.numel() or mask.dtype == torch.bool:
+        return
+    if mask.is_floating_point():
+        if not bool(mask.max() < float("inf")):  # NaN if any: max propagates it
+            raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
+                             "large negative value, attended keys 0")
+        return
+    low, high = int(mask.min()), int(mask.max())
+    if low < 0 or high > 1:
+        raise ValueError(f"the integer attention mask holds values from {low} to {high}; integer and bool masks "
+                         f"hold 1 (attend) and 0 (masked) only; pass an additive mask (0 = attend, -inf or a "
+                         f"large negative value = masked) as a float tensor")
 
 
 def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq: int,
@@ -345,11 +355,12 @@ def _pieces_with_shapes(compiled: CompiledLayer, params: list) -> list:
 
 
 def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
-               what: str) -> None:
+               what: str, padding_only: bool = False) -> None:
     """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
 
     Accepted shapes: ``[B, K]`` and 4-D ``[B, H, J, K]`` (B, H and J may also be 1, broadcast; the
-    operator reduces a 4-D mask to its key mask after checking that its heads and rows agree).
+    operator reduces a 4-D mask to its key mask after checking that its heads and rows agree). With
+    ``padding_only`` (PyTorch's ``key_padding_mask``): a bool ``[B, K]`` mask only.
 
     Raises:
         ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
@@ -362,10 +373,16 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
     if mask.device.type != device.type:
         raise ValueError(f"the mask must be on the {'CPU' if device.type == 'cpu' else device.type.upper()} "
                          f"like hidden_states, got device {mask.device}")
+    shape = tuple(mask.shape)
+    if padding_only:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"{what} must be a bool tensor [B, K] (True = padding), got {mask.dtype}")
+        if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
+            raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], got {shape}")
+        return
     if not (mask.dtype == torch.bool or mask.is_floating_point()
             or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8)):
         raise TypeError(f"unsupported {what} dtype {mask.dtype}")
-    shape = tuple(mask.shape)
     heads = config.num_heads
     ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
          (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, seq)
@@ -471,10 +488,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         raise ValueError("pass either attention_mask or key_padding_mask, not both")
     mask, what = (attention_mask, "attention_mask") if key_padding_mask is None else (key_padding_mask, "key_padding_mask")
     if mask is not None:
-        check_mask(mask, b, j, x.device, config, what)
-        if key_padding_mask is not None and (mask.dtype != torch.bool or mask.dim() != 2):
-            raise TypeError(f"key_padding_mask must be a bool tensor [B, K] (True = padding), got {mask.dtype} "
-                            f"{tuple(mask.shape)}")
+        check_mask(mask, b, j, x.device, config, what, padding_only=key_padding_mask is not None)
     # Under autocast the output has the dtype Hugging Face's layer gives there: on the CPU the input's
     # (CPU autocast leaves the residual add and layer norm in their inputs' dtype), on CUDA float32 when
     # the parameters are float32 masters (CUDA autocast runs layer norm in float32).

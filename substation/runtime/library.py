@@ -331,7 +331,8 @@ class CompiledLayer:
         build_seconds: compile time of each library (0 when it came from the cache).
         sources: generated C++ source of each graph.
         options: the keyword arguments of :func:`substation.pipeline.compile_layer` that produced it
-            (``fuse``, ``layout``, ``instrument``, ``mode``), so it can be rebuilt (e.g. after unpickling).
+            (``fuse``, ``layout``, ``instrument``, ``mode``, ``fp32_gemm`` ...), so it can be rebuilt (e.g.
+            after unpickling).
         inference_build: ``() -> CompiledLayer``, the forward-only build of the same config (the
             pipeline supplies it; built through the cache on first use); None for the build itself.
         autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and options (its
@@ -346,6 +347,9 @@ class CompiledLayer:
             in bfloat16, as autocast's unfused attention does, while without dropout autocast runs
             PyTorch's fused attention, whose scores stay float32 (:mod:`substation.passes.precision`);
             else None.
+        fp32_gemm_library: the library the libraries' float32 token-wise GEMMs call (``"mkl"`` or
+            ``"onednn"``: ``options["fp32_gemm"]`` resolved, :func:`~substation.perf.gemm_choice.resolve_fp32_gemm`);
+            None for builds without float32 GEMMs on the CPU.
     """
 
     config: EncoderConfig
@@ -358,6 +362,7 @@ class CompiledLayer:
     autocast_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
     autocast_note: str | None = None
     no_dropout_build: Callable[[], "CompiledLayer"] | None = dataclasses.field(default=None, repr=False)
+    fp32_gemm_library: str | None = None
 
     def __post_init__(self):
         self.key = register_layer(self)

@@ -38,7 +38,7 @@ from ...ir.graph import STATIC_DIMENSIONS, LayerGraph, Operator, access_letters
 from ...ir.operands import Operand, c_expr, dim_size, linear_index, resolve_operand, split_stack_params
 from ..common import stat_tensors, workspace_slots
 from ..rowkernel import ROW_INDEXED_CANDIDATES, RowEmitter, RowKernelModel, row_indexed_tensors, row_kernel_models, row_pitch
-from .contraction import check_fp32_gemm, emit_attention, emit_contraction, links_onednn
+from .contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm, emit_attention, emit_contraction, links_onednn
 
 __all__ = ["generate_cpu", "tensor_dtypes"]
 
@@ -530,9 +530,9 @@ def generate_cpu(graph: LayerGraph, instrument: bool = False, fp32_gemm: str = "
 
     Raises:
         LayoutError: a contraction's operand layouts need an explicit transpose.
-        ValueError: another ``fp32_gemm``.
+        ValueError: another ``fp32_gemm`` (a library: the pipeline resolves ``"auto"``).
     """
-    check_fp32_gemm(fp32_gemm)
+    check_fp32_gemm(fp32_gemm, FP32_GEMM_LIBRARIES)
     cfg = graph.config
     sizes = cfg.sizes()
     em = _Emitter(graph, fp32_gemm)

@@ -12,28 +12,25 @@ from ...ir.operands import STACK_LETTER, BiasPlan, LayoutError, Operand, c_expr,
 from ...ops.contraction import EPILOGUE_BIAS, factors
 from ...passes.epilogue import float32_master
 
-__all__ = ["FP32_GEMM_LIBRARIES", "PACKED_PARAMETER_ROWS", "check_fp32_gemm", "emit_attention", "emit_contraction",
-           "float32_gemm_library", "links_onednn", "operand_pointer"]
+__all__ = ["FP32_GEMM_CHOICES", "FP32_GEMM_LIBRARIES", "PACKED_PARAMETER_ROWS", "check_fp32_gemm", "emit_attention",
+           "emit_contraction", "links_onednn", "operand_pointer"]
 
 #: Libraries of float32 builds' token-wise contractions (:func:`~substation.backends.cpu.codegen.generate_cpu`'s ``fp32_gemm``).
 FP32_GEMM_LIBRARIES = ("mkl", "onednn")
+#: Values of the ``fp32_gemm`` option: ``"auto"`` (inference builds take the library measured faster on
+#: this machine, training builds MKL: :mod:`substation.perf.gemm_choice`) or a library.
+FP32_GEMM_CHOICES = ("auto", *FP32_GEMM_LIBRARIES)
 
 
-def check_fp32_gemm(fp32_gemm) -> None:
-    """Refuse a ``fp32_gemm`` that is not one of :data:`FP32_GEMM_LIBRARIES` (any value: a list too).
+def check_fp32_gemm(fp32_gemm, allowed: tuple = FP32_GEMM_CHOICES) -> None:
+    """Refuse a ``fp32_gemm`` that is not one of ``allowed`` (any value: a list too).
 
     Raises:
-        ValueError: names the value and the libraries.
+        ValueError: names the value and the allowed ones.
     """
-    if fp32_gemm not in FP32_GEMM_LIBRARIES:
+    if fp32_gemm not in allowed:
         raise ValueError(f"fp32_gemm (the library of float32 builds' token-wise GEMMs) must be one of "
-                         f"{', '.join(FP32_GEMM_LIBRARIES)}, got {fp32_gemm!r}")
-
-
-def float32_gemm_library(dtype: str, fp32_gemm: str) -> str | None:
-    """The library of a ``dtype`` build's token-wise GEMMs as results record it: ``fp32_gemm`` for a
-    float32 build, None for the other dtypes (which ignore the option)."""
-    return fp32_gemm if dtype == "float32" else None
+                         f"{', '.join(allowed)}, got {fp32_gemm!r}")
 
 
 def links_onednn(dtype: str, fp32_gemm: str) -> bool:

@@ -15,7 +15,7 @@ from ...ir.operands import plan_bias, plan_contraction, resolve_operand
 from ...ops.contraction import EPILOGUE_BIAS, factors
 from ...ops.kind import op_space
 from ..precision import applies_to as mixed_precision
-from ...resources import bundled_file
+from ...resources import bundled_file, bundled_names
 from .problem import LayoutProblem
 from .solve import Solution
 
@@ -144,9 +144,10 @@ def load_plan(plan) -> LayoutPlan | None:
         return LayoutPlan.from_dict(plan)
     path = os.fspath(plan)
     if not os.path.exists(path):
-        path = bundled_file(path, ".plan.json")
+        path = bundled_file(path, ".plan.json") if os.path.sep not in path else None
         if path is None:
-            raise FileNotFoundError(f"no layout plan {plan!r} (neither a file nor configs/{plan}.plan.json)")
+            raise FileNotFoundError(f"no layout plan {os.fspath(plan)!r}: no such file, nor a bundled plan "
+                                    f"({', '.join(bundled_names('.plan.json'))})")
     return LayoutPlan.load(path)
 
 

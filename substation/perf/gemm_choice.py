@@ -1,0 +1,139 @@
+"""The library of float32 inference builds' token-wise GEMMs, measured per machine (``fp32_gemm="auto"``).
+
+Which float32 GEMM is faster depends on the CPU: on AMD Zen 4 oneDNN's matmul ran MiniLM's token-wise
+GEMMs 1.17-1.19x faster than MKL's SGEMM at 256 to 3584 rows (docs/toolchain.md, "float32 GEMMs"),
+elsewhere MKL may win. With ``fp32_gemm="auto"`` (the default) an inference build takes the library
+that :func:`choose_fp32_gemm` measured faster on this machine for the layer's shape; training builds
+keep MKL, whose weight gradients carry PyTorch float32's error (oneDNN's reached 2.2x of it, the
+chunked inner sums of ``ss::matmul<float>`` do not reach GEMMs whose k is the token count).
+
+The measurement: :data:`ROUNDS` rounds, each timing both libraries (the first alternating) on the
+layer's token-wise GEMMs at :data:`ROWS` token rows (Q, K, V and out_proj: I x I, linear1: U x I,
+linear2: I x U), the fastest of two calls per GEMM (:func:`~substation.perf.probes.gemm_seconds`),
+summed over the GEMMs. oneDNN is chosen only when it won significantly many rounds (one-sided sign
+test at 5%, :func:`~substation.perf.timing.sign_test_wins`) and its median sum is at least
+:data:`MIN_GAIN` below MKL's, so a busy machine or a small lead keeps MKL. The choice is recorded per
+CPU, thread count, library versions and (I, U) in ``<build cache>/tune/fp32-gemm-<key>.json`` (written
+atomically) and measured once; ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes
+what ``"auto"`` means instead (reproducible runs, a machine whose record is wrong).
+
+Units: seconds.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+
+from ..backends.cpu.build import ToolchainError, cache_dir, cpu_id, onednn, toolchain
+from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
+from ..files import atomic_write_text
+from ..version import __version__
+from . import probes
+from .timing import sign_test_wins
+
+__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "ENVIRONMENT", "resolve_fp32_gemm", "choose_fp32_gemm"]
+
+#: Token rows of the measured GEMMs: where inference batches spend their time (fewer than 256 rows go
+#: to MKL in either library, substation_dnnl.h).
+ROWS = 1024
+#: Paired rounds of the measurement.
+ROUNDS = 9
+#: oneDNN's median time must be at least this fraction below MKL's.
+MIN_GAIN = 0.03
+#: The environment variable that fixes the library ``"auto"`` resolves to.
+ENVIRONMENT = "SUBSTATION_FP32_GEMM"
+RECORD_FORMAT = "substation-fp32-gemm/1"
+
+
+def resolve_fp32_gemm(fp32_gemm: str, config, mode: str) -> str:
+    """The library a build of ``config`` in ``mode`` (``train`` or ``eval``) calls for ``fp32_gemm``: the
+    library itself when one is named; for ``"auto"``: ``$SUBSTATION_FP32_GEMM`` when set, else MKL for
+    training builds and for builds that are not float32 CPU builds (which ignore the option), else
+    :func:`choose_fp32_gemm` of the layer's hidden and feed-forward sizes.
+
+    Raises:
+        ValueError: an unknown ``fp32_gemm``, or ``$SUBSTATION_FP32_GEMM`` set to something else than a
+            library.
+        BuildError: the measurement's probe libraries cannot be built.
+    """
+    check_fp32_gemm(fp32_gemm)
+    if fp32_gemm != "auto":
+        return fp32_gemm
+    fixed = os.environ.get(ENVIRONMENT)
+    if fixed:
+        if fixed not in FP32_GEMM_LIBRARIES:
+            raise ValueError(f"${ENVIRONMENT} must be one of {', '.join(FP32_GEMM_LIBRARIES)} (or unset), "
+                             f"got {fixed!r}")
+        return fixed
+    if mode != "eval" or config.dtype != "float32" or config.target != "cpu":
+        return "mkl"
+    return choose_fp32_gemm(config.hidden_size, config.ffn_size)["library"]
+
+
+def _shapes(hidden: int, ffn: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of a layer's token-wise GEMMs at :data:`ROWS` rows: Q, K, V, out_proj, linear1, linear2."""
+    return [(ROWS, hidden, hidden)] * 4 + [(ROWS, ffn, hidden), (ROWS, hidden, ffn)]
+
+
+def _record_path(hidden: int, ffn: int) -> str:
+    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
+    try:
+        dnnl = onednn().version
+    except ToolchainError:
+        dnnl = "none"
+    h = hashlib.sha256("\0".join([cpu_id(), threads, toolchain().blas_version, dnnl, str(hidden), str(ffn),
+                                  str(ROWS), __version__]).encode())
+    return os.path.join(cache_dir(), "tune", f"fp32-gemm-{h.hexdigest()[:16]}.json")
+
+
+def _measure(hidden: int, ffn: int) -> dict:
+    shapes = _shapes(hidden, ffn)
+    seconds = {lib: [] for lib in FP32_GEMM_LIBRARIES}
+    for r in range(ROUNDS):
+        for lib in FP32_GEMM_LIBRARIES[r % 2:] + FP32_GEMM_LIBRARIES[:r % 2]:
+            seconds[lib].append(sum(probes.gemm_seconds(shapes, lib, repeats=2)))
+    wins = sum(o < m for o, m in zip(seconds["onednn"], seconds["mkl"]))
+    median = {lib: statistics.median(s) for lib, s in seconds.items()}
+    faster = wins >= sign_test_wins(ROUNDS) and median["onednn"] <= (1 - MIN_GAIN) * median["mkl"]
+    return {"format": RECORD_FORMAT, "library": "onednn" if faster else "mkl", "rows": ROWS,
+            "shapes": [list(s) for s in shapes], "seconds": seconds, "onednn_wins": wins, "rounds": ROUNDS,
+            "speedup": median["mkl"] / median["onednn"], "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+@functools.lru_cache(maxsize=None)
+def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
+    """The float32 GEMM library for layers of hidden size ``hidden`` (I) and feed-forward size ``ffn``
+    (U) on this machine: the record of an earlier measurement, else a new measurement (see the module
+    docstring; about 1 s for all-MiniLM-L6-v2's sizes, 4 s for BERT-base's), recorded.
+
+    Returns:
+        The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
+        over ``shapes``), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median / oneDNN's), ``rows``,
+        ``shapes`` ((m, n, k) lists) and ``measured`` (local time). Without oneDNN: ``library`` ``"mkl"``
+        and ``unavailable`` (why), nothing measured or recorded.
+
+    Raises:
+        BuildError: a probe library cannot be built.
+    """
+    try:
+        onednn()
+    except ToolchainError as e:
+        return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": str(e)}
+    path = _record_path(hidden, ffn)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if record.get("format") == RECORD_FORMAT and record.get("library") in FP32_GEMM_LIBRARIES:
+            return record
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or unreadable: measure again
+    record = _measure(hidden, ffn)
+    try:
+        atomic_write_text(path, json.dumps(record, indent=1))
+    except OSError:
+        pass  # a read-only cache: this process keeps its measurement
+    return record

@@ -1,0 +1,94 @@
+"""fp32_gemm="auto": inference builds take the float32 GEMM library measured faster on this machine
+(substation.perf.gemm_choice), training builds MKL; the measurement's decision rule and its record."""
+import json
+import os
+
+import pytest
+
+from substation.config import load_config
+from substation.perf import gemm_choice
+from substation.perf.gemm_choice import ENVIRONMENT, ROUNDS, choose_fp32_gemm, resolve_fp32_gemm
+
+
+@pytest.fixture
+def unpinned(tmp_path, monkeypatch):
+    """No SUBSTATION_FP32_GEMM, a private cache, no remembered choice."""
+    monkeypatch.delenv(ENVIRONMENT, raising=False)
+    monkeypatch.setenv("SUBSTATION_CACHE_DIR", str(tmp_path / "cache"))
+    choose_fp32_gemm.cache_clear()
+    yield tmp_path / "cache"
+    choose_fp32_gemm.cache_clear()
+
+
+def fake_probe(monkeypatch, onednn_factor):
+    """gemm_seconds as a machine where each call of oneDNN takes ``onednn_factor(call)`` of MKL's time."""
+    calls = {"mkl": 0, "onednn": 0}
+
+    def gemm_seconds(shapes, fp32_gemm, repeats=2, dtype="float32"):
+        calls[fp32_gemm] += 1
+        scale = onednn_factor(calls["onednn"]) if fp32_gemm == "onednn" else 1.0
+        return [2e-9 * m * n * k * scale for m, n, k in shapes]
+    monkeypatch.setattr("substation.perf.probes.gemm_seconds", gemm_seconds)
+    return calls
+
+
+@pytest.mark.parametrize("factor,library", [
+    (lambda i: 0.8, "onednn"),                         # 1.25x faster in every round
+    (lambda i: 0.99, "mkl"),                           # faster in every round, but by less than MIN_GAIN
+    (lambda i: 0.8 if i <= 7 else 1.2, "mkl"),         # 7 wins of 9: not significant at 5%
+    (lambda i: 0.8 if i != 4 else 1.2, "onednn"),      # 8 wins of 9
+    (lambda i: 1.2, "mkl"),
+])
+def test_measured_choice_and_its_record(unpinned, monkeypatch, factor, library):
+    calls = fake_probe(monkeypatch, factor)
+    record = choose_fp32_gemm(384, 1536)
+    assert record["library"] == library and calls == {"mkl": ROUNDS, "onednn": ROUNDS}
+    assert record["rounds"] == ROUNDS and len(record["seconds"]["mkl"]) == ROUNDS
+    assert record["shapes"] == [[1024, 384, 384]] * 4 + [[1024, 1536, 384], [1024, 384, 1536]]
+    files = os.listdir(unpinned / "tune")
+    assert len(files) == 1 and files[0].startswith("fp32-gemm-")
+    assert json.loads((unpinned / "tune" / files[0]).read_text()) == record
+    choose_fp32_gemm.cache_clear()  # another process: reads the record, measures nothing
+    assert choose_fp32_gemm(384, 1536) == record and calls == {"mkl": ROUNDS, "onednn": ROUNDS}
+
+
+def test_an_unreadable_record_is_measured_again(unpinned, monkeypatch):
+    calls = fake_probe(monkeypatch, lambda i: 0.5)
+    assert choose_fp32_gemm(64, 256)["library"] == "onednn"
+    (record,) = (unpinned / "tune").iterdir()
+    record.write_text('{"format": "substation-fp32-gemm/1", "library": "blas"}')
+    choose_fp32_gemm.cache_clear()
+    assert choose_fp32_gemm(64, 256)["library"] == "onednn" and calls["mkl"] == 2 * ROUNDS
+    assert json.loads(record.read_text())["library"] == "onednn"
+
+
+def test_resolution(unpinned, monkeypatch):
+    monkeypatch.setattr(gemm_choice, "choose_fp32_gemm", lambda hidden, ffn: {"library": "onednn"})
+    f32, bf16, f64 = (load_config("tiny").replace(dtype=d) for d in ("float32", "bfloat16", "float64"))
+    assert [resolve_fp32_gemm("auto", c, m) for c, m in ((f32, "eval"), (f32, "train"), (bf16, "eval"),
+                                                        (f64, "eval"), (f32.replace(target="cuda"), "eval"))] \
+        == ["onednn", "mkl", "mkl", "mkl", "mkl"]
+    assert resolve_fp32_gemm("mkl", f32, "eval") == "mkl" and resolve_fp32_gemm("onednn", f32, "train") == "onednn"
+    monkeypatch.setenv(ENVIRONMENT, "mkl")
+    assert resolve_fp32_gemm("auto", f32, "eval") == "mkl" and resolve_fp32_gemm("onednn", f32, "eval") == "onednn"
+    monkeypatch.setenv(ENVIRONMENT, "onednn")
+    assert resolve_fp32_gemm("auto", f32, "train") == "onednn"
+    monkeypatch.setenv(ENVIRONMENT, "blis")
+    with pytest.raises(ValueError, match=r"\$SUBSTATION_FP32_GEMM must be one of mkl, onednn \(or unset\), got 'blis'"):
+        resolve_fp32_gemm("auto", f32, "eval")
+    with pytest.raises(ValueError, match="fp32_gemm .* must be one of auto, mkl, onednn, got 'cublas'"):
+        resolve_fp32_gemm("cublas", f32, "eval")
+
+
+def test_auto_builds_call_the_chosen_library(unpinned, monkeypatch):
+    """The inference build of an "auto" layer calls the chosen library (its source, its record), the
+    training build MKL; the option stays "auto" so that derived builds choose again."""
+    from substation.pipeline import compile_layer
+    monkeypatch.setattr(gemm_choice, "choose_fp32_gemm", lambda hidden, ffn: {"library": "onednn"})
+    # a config of its own: the process memo of builds keys "auto" builds by the option, not the choice
+    compiled = compile_layer(load_config("tiny").replace(dtype="float32", name="tiny-gemm-choice"))
+    inference = compiled.forward_only()
+    assert compiled.options["fp32_gemm"] == inference.options["fp32_gemm"] == "auto"
+    assert (compiled.fp32_gemm_library, inference.fp32_gemm_library) == ("mkl", "onednn")
+    assert "ss::matmul<float>" in inference.sources["forward"]
+    assert "ss::matmul<float>" not in compiled.sources["forward"] + compiled.sources["backward"]
