@@ -45,7 +45,7 @@ def test_measured_choice_and_its_record(unpinned, monkeypatch, factor, library):
     assert record["library"] == library and calls == {"mkl": ROUNDS, "onednn": ROUNDS}
     assert record["rounds"] == ROUNDS and len(record["seconds"]["mkl"]) == ROUNDS
     assert record["shapes"] == [[1024, 384, 384]] * 4 + [[1024, 1536, 384], [1024, 384, 1536]]
-    files = os.listdir(unpinned / "tune")
+    files = [f for f in os.listdir(unpinned / "tune") if f.endswith(".json")]
     assert len(files) == 1 and files[0].startswith("fp32-gemm-")
     assert json.loads((unpinned / "tune" / files[0]).read_text()) == record
     choose_fp32_gemm.cache_clear()  # another process: reads the record, measures nothing
@@ -55,7 +55,7 @@ def test_measured_choice_and_its_record(unpinned, monkeypatch, factor, library):
 def test_an_unreadable_record_is_measured_again(unpinned, monkeypatch):
     calls = fake_probe(monkeypatch, lambda i: 0.5)
     assert choose_fp32_gemm(64, 256)["library"] == "onednn"
-    (record,) = (unpinned / "tune").iterdir()
+    (record,) = (unpinned / "tune").glob("*.json")
     record.write_text('{"format": "substation-fp32-gemm/1", "library": "blas"}')
     choose_fp32_gemm.cache_clear()
     assert choose_fp32_gemm(64, 256)["library"] == "onednn" and calls["mkl"] == 2 * ROUNDS
@@ -92,3 +92,27 @@ def test_auto_builds_call_the_chosen_library(unpinned, monkeypatch):
     assert (compiled.fp32_gemm_library, inference.fp32_gemm_library) == ("mkl", "onednn")
     assert "ss::matmul<float>" in inference.sources["forward"]
     assert "ss::matmul<float>" not in compiled.sources["forward"] + compiled.sources["backward"]
+
+
+def test_a_record_written_while_waiting_is_read_and_a_failed_probe_means_mkl(unpinned, monkeypatch):
+    import contextlib
+    calls = fake_probe(monkeypatch, lambda i: 0.5)
+    theirs = {"format": gemm_choice.RECORD_FORMAT, "library": "mkl", "measured": "by another process"}
+
+    @contextlib.contextmanager
+    def another_process_measured(path):  # the lock was held by a process that wrote its record
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(theirs, f)
+        yield
+    monkeypatch.setattr(gemm_choice, "_measuring_alone", another_process_measured)
+    assert choose_fp32_gemm(32, 128) == theirs and calls == {"mkl": 0, "onednn": 0}
+    monkeypatch.undo()
+    choose_fp32_gemm.cache_clear()
+
+    def broken(*args, **kwargs):
+        raise gemm_choice.BuildError("the compiler failed")
+    monkeypatch.setattr("substation.perf.probes.gemm_seconds", broken)
+    record = choose_fp32_gemm(48, 96)
+    assert record["library"] == "mkl" and record["unavailable"] == "BuildError: the compiler failed"
+    assert len(list((unpinned / "tune").glob("*.json"))) == 1  # the other process's record alone

@@ -21,6 +21,8 @@ Units: seconds.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -28,7 +30,7 @@ import os
 import statistics
 import time
 
-from ..backends.cpu.build import ToolchainError, cache_dir, cpu_id, onednn, toolchain
+from ..backends.cpu.build import BuildError, ToolchainError, cache_dir, cpu_id, onednn, toolchain
 from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..files import atomic_write_text
 from ..version import __version__
@@ -104,26 +106,7 @@ def _measure(hidden: int, ffn: int) -> dict:
             "speedup": median["mkl"] / median["onednn"], "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-@functools.lru_cache(maxsize=None)
-def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
-    """The float32 GEMM library for layers of hidden size ``hidden`` (I) and feed-forward size ``ffn``
-    (U) on this machine: the record of an earlier measurement, else a new measurement (see the module
-    docstring; about 1 s for all-MiniLM-L6-v2's sizes, 4 s for BERT-base's), recorded.
-
-    Returns:
-        The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
-        over ``shapes``), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median / oneDNN's), ``rows``,
-        ``shapes`` ((m, n, k) lists) and ``measured`` (local time). Without oneDNN: ``library`` ``"mkl"``
-        and ``unavailable`` (why), nothing measured or recorded.
-
-    Raises:
-        BuildError: a probe library cannot be built.
-    """
-    try:
-        onednn()
-    except ToolchainError as e:
-        return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": str(e)}
-    path = _record_path(hidden, ffn)
+def _read_record(path: str) -> dict | None:
     try:
         with open(path) as f:
             record = json.load(f)
@@ -131,9 +114,59 @@ def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
             return record
     except (OSError, ValueError, AttributeError):
         pass  # none yet, or unreadable: measure again
-    record = _measure(hidden, ffn)
+    return None
+
+
+@contextlib.contextmanager
+def _measuring_alone(path: str):
+    """Hold an exclusive lock next to the record ``path`` (where the folder can be written): processes
+    that start together measure one after the other, not against each other."""
     try:
-        atomic_write_text(path, json.dumps(record, indent=1))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(path + ".lock", "a")
     except OSError:
-        pass  # a read-only cache: this process keeps its measurement
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
+    """The float32 GEMM library for layers of hidden size ``hidden`` (I) and feed-forward size ``ffn``
+    (U) on this machine: the record of an earlier measurement, else a new measurement (see the module
+    docstring; about 1 s for all-MiniLM-L6-v2's sizes, 4 s for BERT-base's), recorded. Processes that
+    find no record measure one at a time (a lock file next to the record); the later ones read the
+    first one's record.
+
+    Returns:
+        The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
+        over ``shapes``), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median / oneDNN's), ``rows``,
+        ``shapes`` ((m, n, k) lists) and ``measured`` (local time). Where oneDNN or a probe library
+        cannot be built: ``library`` ``"mkl"`` and ``unavailable`` (why), nothing recorded.
+
+    Raises:
+        BuildError: the build cache folder cannot be created.
+    """
+    try:
+        onednn()
+    except ToolchainError as e:
+        return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": str(e)}
+    path = _record_path(hidden, ffn)
+    record = _read_record(path)
+    if record is not None:
+        return record
+    with _measuring_alone(path):
+        record = _read_record(path)  # measured by another process while this one waited
+        if record is not None:
+            return record
+        try:
+            record = _measure(hidden, ffn)
+        except (BuildError, ToolchainError, RuntimeError) as e:  # then no oneDNN build would work either
+            return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": f"{type(e).__name__}: {e}"}
+        try:
+            atomic_write_text(path, json.dumps(record, indent=1))
+        except OSError:
+            pass  # a read-only cache: this process keeps its measurement
     return record
