@@ -12,6 +12,7 @@ import time
 
 from .backends.cpu.contraction import FP32_GEMM_CHOICES
 from .files import OutputError, check_output_dir, check_writable, publish_dir, publish_files
+from .perf.gemm_choice import fixed_fp32_gemm, gemm_label
 from .version import __version__
 
 __all__ = ["main"]
@@ -163,6 +164,7 @@ def cmd_compile(args) -> int:
                                for g in (fwd, bwd)},
         "saved_for_backward": [t.name for t in fwd.tensors.values() if t.role == "saved"],
         "fp32_gemm": compiled.fp32_gemm_library,
+        "check_fp32_gemm": compiled.forward_only().fp32_gemm_library,  # the check runs the inference build
         "build_seconds": compiled.build_seconds,
         "pipeline_seconds": total,
         "max_rel_error_vs_pytorch": err,
@@ -175,13 +177,14 @@ def cmd_compile(args) -> int:
     c = config
     print(f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
           f"U={c.ffn_size} {c.activation} {c.layer_norm}-LN {c.dtype}"
-          + (f" ({compiled.fp32_gemm_library} GEMMs)" if compiled.fp32_gemm_library else "") + f" mask={c.mask}")
+          + gemm_label(compiled.fp32_gemm_library) + f" mask={c.mask}")
     print(f"operators: forward {report['operators']['forward']} {report['operators_by_class']['forward']}, "
           f"backward {report['operators']['backward']} {report['operators_by_class']['backward']}")
     print("build: " + ", ".join(f"{k} {v:.1f} s" + (" (cached)" if v == 0 else "")
                                 for k, v in compiled.build_seconds.items()) + f"; pipeline {total:.1f} s")
     masking = {"none": "no mask", "padding": "padding mask", "causal": "causal + padding mask"}[config.mask]
-    print(f"check vs PyTorch eager (eval, {masking}): max relative error {err:.2e}")
+    check_gemm = f", {report['check_fp32_gemm']} GEMMs" if report["check_fp32_gemm"] else ""
+    print(f"check vs PyTorch eager (eval, {masking}; the inference build{check_gemm}): max relative error {err:.2e}")
     print(f"forward+backward median of {args.repeats}: substation {med['substation'] * 1e3:.1f} ms, "
           f"PyTorch eager {med['pytorch_eager'] * 1e3:.1f} ms, speedup {report['speedup_vs_eager']:.2f}x")
     print(f"wrote {out}/: forward.sdfg backward.sdfg forward.cpp backward.cpp forward.so backward.so report.json")
@@ -403,6 +406,12 @@ def cmd_cache(args) -> int:
                                             for e in (entries[0], entries[-1]))
     absent = "" if os.path.lexists(cache_path()) else " (not created yet)"
     print(f"build cache {cache_path()}{absent}: {summary(entries)}{used}")
+    tune = os.path.join(cache_path(), "tune")
+    records = sorted(n for n in os.listdir(tune) if n.endswith(".json")) if os.path.isdir(tune) else []
+    if records:
+        choices = sum(n.startswith("fp32-gemm-") for n in records)
+        print(f"tuning records (kept by --prune-days and --clear): {len(records)} in {tune}, {choices} of them "
+              f"float32 GEMM choices (fp32-gemm-*.json; delete one to measure again)")
     return 0
 
 
@@ -579,6 +588,11 @@ def main(argv=None) -> int:
     from .ir.operands import LayoutError
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
+    try:
+        fixed_fp32_gemm()  # a bad $SUBSTATION_FP32_GEMM is named before any work
+    except ValueError as e:
+        print(f"substation: error: {e}", file=sys.stderr)
+        return 2
     try:
         empty = [flag for flag in ("json", "plot", "out") if getattr(args, flag, None) == ""]
         if empty:

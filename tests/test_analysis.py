@@ -306,6 +306,7 @@ def test_measure_tiny(tmp_path):
     report.write_json(a, str(path))
     data = json.loads(path.read_text())
     assert data["measured"]["copy_bandwidth"] == m.copy_bandwidth
+    assert data["measured"]["fp32_gemm"] is None and "float32 GEMMs" not in text  # tiny is float64
     assert all(op["seconds"] > 0 for op in data["operators"])
     assert {"seconds", "bandwidth", "efficiency"} <= set(data["totals"]["total"]["all"])
     report.plot_report(a, str(tmp_path / "m.png"))
@@ -324,3 +325,12 @@ def test_pipeline_optimization_conserves_flop_and_moves_less():
         for o in opt.operators:
             if o.kind == "fused":
                 assert o.members and o.op_class in ("SN", "EW")
+
+
+def test_measured_float32_inference_names_its_gemm_library():
+    from substation.config import load_config
+    config = load_config("tiny").replace(dtype="float32", name="tiny-f32")
+    m = analysis.measure(config, repeats=1, warmup=0, mode="eval", copy_bytes=8 << 20)
+    assert m.fp32_gemm == os.environ["SUBSTATION_FP32_GEMM"]  # what "auto" means in the suite (conftest)
+    text = report.format_report(analysis.analyze(config, mode="eval").with_measurement(m))
+    assert f"float32 GEMMs: {m.fp32_gemm}" in text

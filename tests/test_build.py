@@ -125,6 +125,7 @@ def test_cache_lists_prunes_unused_and_clears(cache, capsys):
     assert main(["cache", "--prune-days", "2"]) == 0
     out = capsys.readouterr().out
     assert "removed 1 build, " in out and f"build cache {cache}: 1 build, " in out
+    assert f"tuning records (kept by --prune-days and --clear): 1 in {cache / 'tune'}, 0 of them" in out
     assert entries(cache) == [os.path.basename(os.path.dirname(new.path)), "tune"]
     assert [e.path for e in build.prune_cache()] == [os.path.dirname(new.path)]
     assert entries(cache) == ["tune"] and (cache / "tune" / "record.json").exists()

@@ -38,9 +38,10 @@ def test_compile_with_onednn_float32_gemms(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["compile", str(path), "--out", str(out), "--repeats", "1", "--fp32-gemm", "onednn"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["fp32_gemm"] == "onednn" and report["max_rel_error_vs_pytorch"] < CHECK_TOLERANCE["float32"]
+    assert report["fp32_gemm"] == report["check_fp32_gemm"] == "onednn"
+    assert report["max_rel_error_vs_pytorch"] < CHECK_TOLERANCE["float32"]
     assert (out / "forward.cpp").read_text().count("ss::matmul<float>(") == 4  # the token-wise GEMMs
-    assert "float32 (onednn GEMMs)" in capsys.readouterr().out
+    assert "float32 (onednn GEMMs, MKL under 256 token rows)" in capsys.readouterr().out
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="bfloat16 CPU builds need AVX512-BF16")
@@ -145,6 +146,14 @@ def test_empty_paths_and_numbers_are_named(capsys):
         with pytest.raises(SystemExit):
             main(["bench", "tiny", "--attention-lengths", value])
         assert f"argument --attention-lengths: {message}" in capsys.readouterr().err
+
+
+def test_a_bad_fp32_gemm_environment_is_named_before_any_work(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SUBSTATION_FP32_GEMM", "ONEDNN")
+    assert main(["compile", "tiny", "--out", str(tmp_path / "out")]) == 2
+    assert "substation: error: $SUBSTATION_FP32_GEMM must be one of mkl, onednn (or unset), got 'ONEDNN'" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_version(capsys):

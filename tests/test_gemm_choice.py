@@ -21,12 +21,13 @@ def unpinned(tmp_path, monkeypatch):
 
 
 def fake_probe(monkeypatch, onednn_factor):
-    """gemm_seconds as a machine where each call of oneDNN takes ``onednn_factor(call)`` of MKL's time."""
+    """gemm_seconds as a machine where oneDNN takes ``onednn_factor(round)`` of MKL's time in round
+    1, 2, ... (round 0: the discarded one)."""
     calls = {"mkl": 0, "onednn": 0}
 
     def gemm_seconds(shapes, fp32_gemm, repeats=2, dtype="float32"):
         calls[fp32_gemm] += 1
-        scale = onednn_factor(calls["onednn"]) if fp32_gemm == "onednn" else 1.0
+        scale = onednn_factor(calls["onednn"] - 1) if fp32_gemm == "onednn" else 1.0
         return [2e-9 * m * n * k * scale for m, n, k in shapes]
     monkeypatch.setattr("substation.perf.probes.gemm_seconds", gemm_seconds)
     return calls
@@ -41,29 +42,31 @@ def fake_probe(monkeypatch, onednn_factor):
 ])
 def test_measured_choice_and_its_record(unpinned, monkeypatch, factor, library):
     calls = fake_probe(monkeypatch, factor)
-    record = choose_fp32_gemm(384, 1536)
-    assert record["library"] == library and calls == {"mkl": ROUNDS, "onednn": ROUNDS}
+    record = choose_fp32_gemm(384, 1536, 2)
+    assert record["library"] == library and calls == {"mkl": ROUNDS + 1, "onednn": ROUNDS + 1}
     assert record["rounds"] == ROUNDS and len(record["seconds"]["mkl"]) == ROUNDS
     assert record["shapes"] == [[1024, 384, 384]] * 4 + [[1024, 1536, 384], [1024, 384, 1536]]
     files = [f for f in os.listdir(unpinned / "tune") if f.endswith(".json")]
     assert len(files) == 1 and files[0].startswith("fp32-gemm-")
     assert json.loads((unpinned / "tune" / files[0]).read_text()) == record
     choose_fp32_gemm.cache_clear()  # another process: reads the record, measures nothing
-    assert choose_fp32_gemm(384, 1536) == record and calls == {"mkl": ROUNDS, "onednn": ROUNDS}
+    assert choose_fp32_gemm(384, 1536, 2) == record and calls == {"mkl": ROUNDS + 1, "onednn": ROUNDS + 1}
+    assert choose_fp32_gemm(384, 1536, 1)["library"] == library and calls["mkl"] == 2 * ROUNDS + 2  # 1 thread: its own
 
 
 def test_an_unreadable_record_is_measured_again(unpinned, monkeypatch):
     calls = fake_probe(monkeypatch, lambda i: 0.5)
-    assert choose_fp32_gemm(64, 256)["library"] == "onednn"
+    assert choose_fp32_gemm(64, 256, 2)["library"] == "onednn"
     (record,) = (unpinned / "tune").glob("*.json")
     record.write_text('{"format": "substation-fp32-gemm/1", "library": "blas"}')
     choose_fp32_gemm.cache_clear()
-    assert choose_fp32_gemm(64, 256)["library"] == "onednn" and calls["mkl"] == 2 * ROUNDS
+    assert choose_fp32_gemm(64, 256, 2)["library"] == "onednn" and calls["mkl"] == 2 * ROUNDS + 2
     assert json.loads(record.read_text())["library"] == "onednn"
 
 
 def test_resolution(unpinned, monkeypatch):
-    monkeypatch.setattr(gemm_choice, "choose_fp32_gemm", lambda hidden, ffn: {"library": "onednn"})
+    monkeypatch.setattr(gemm_choice, "choose_fp32_gemm", lambda hidden, ffn, threads: {"library": "onednn"})
+    monkeypatch.setattr("substation.perf.probes.openmp_threads", lambda: 2)
     f32, bf16, f64 = (load_config("tiny").replace(dtype=d) for d in ("float32", "bfloat16", "float64"))
     assert [resolve_fp32_gemm("auto", c, m) for c, m in ((f32, "eval"), (f32, "train"), (bf16, "eval"),
                                                         (f64, "eval"), (f32.replace(target="cuda"), "eval"))] \
@@ -71,11 +74,20 @@ def test_resolution(unpinned, monkeypatch):
     assert resolve_fp32_gemm("mkl", f32, "eval") == "mkl" and resolve_fp32_gemm("onednn", f32, "train") == "onednn"
     monkeypatch.setenv(ENVIRONMENT, "mkl")
     assert resolve_fp32_gemm("auto", f32, "eval") == "mkl" and resolve_fp32_gemm("onednn", f32, "eval") == "onednn"
-    monkeypatch.setenv(ENVIRONMENT, "onednn")
-    assert resolve_fp32_gemm("auto", f32, "train") == "onednn"
+    monkeypatch.setenv(ENVIRONMENT, "onednn")  # the inference builds' library; training builds keep MKL
+    assert resolve_fp32_gemm("auto", f32, "eval") == "onednn" and resolve_fp32_gemm("auto", f32, "train") == "mkl"
     monkeypatch.setenv(ENVIRONMENT, "blis")
     with pytest.raises(ValueError, match=r"\$SUBSTATION_FP32_GEMM must be one of mkl, onednn \(or unset\), got 'blis'"):
         resolve_fp32_gemm("auto", f32, "eval")
+    assert resolve_fp32_gemm("auto", f64, "eval") == "mkl"  # read only where it applies
+    monkeypatch.delenv(ENVIRONMENT)
+
+    def unbuildable():
+        raise gemm_choice.BuildError("the build cache folder /ro is not writable")
+    monkeypatch.setattr("substation.perf.probes.openmp_threads", unbuildable)
+    with pytest.warns(UserWarning, match=r"float32 inference builds call MKL: the float32 GEMM libraries could not "
+                                         r"be measured \(BuildError: the build cache folder /ro is not writable\)"):
+        assert resolve_fp32_gemm("auto", f32, "eval") == "mkl"
     with pytest.raises(ValueError, match="fp32_gemm .* must be one of auto, mkl, onednn, got 'cublas'"):
         resolve_fp32_gemm("cublas", f32, "eval")
 
@@ -84,7 +96,7 @@ def test_auto_builds_call_the_chosen_library(unpinned, monkeypatch):
     """The inference build of an "auto" layer calls the chosen library (its source, its record), the
     training build MKL; the option stays "auto" so that derived builds choose again."""
     from substation.pipeline import compile_layer
-    monkeypatch.setattr(gemm_choice, "choose_fp32_gemm", lambda hidden, ffn: {"library": "onednn"})
+    monkeypatch.setattr(gemm_choice, "choose_fp32_gemm", lambda hidden, ffn, threads: {"library": "onednn"})
     # a config of its own: the process memo of builds keys "auto" builds by the option, not the choice
     compiled = compile_layer(load_config("tiny").replace(dtype="float32", name="tiny-gemm-choice"))
     inference = compiled.forward_only()
@@ -106,13 +118,14 @@ def test_a_record_written_while_waiting_is_read_and_a_failed_probe_means_mkl(unp
             json.dump(theirs, f)
         yield
     monkeypatch.setattr(gemm_choice, "_measuring_alone", another_process_measured)
-    assert choose_fp32_gemm(32, 128) == theirs and calls == {"mkl": 0, "onednn": 0}
+    assert choose_fp32_gemm(32, 128, 2) == theirs and calls == {"mkl": 0, "onednn": 0}
     monkeypatch.undo()
     choose_fp32_gemm.cache_clear()
 
     def broken(*args, **kwargs):
         raise gemm_choice.BuildError("the compiler failed")
     monkeypatch.setattr("substation.perf.probes.gemm_seconds", broken)
-    record = choose_fp32_gemm(48, 96)
+    with pytest.warns(UserWarning, match="could not be measured"):
+        record = choose_fp32_gemm(48, 96, 2)
     assert record["library"] == "mkl" and record["unavailable"] == "BuildError: the compiler failed"
     assert len(list((unpinned / "tune").glob("*.json"))) == 1  # the other process's record alone

@@ -292,6 +292,8 @@ class Measurement:
         copy_bandwidth: STREAM-like copy bandwidth in bytes/s (2 x buffer bytes per copy / seconds).
         copy_buffer_bytes: the size of one copy buffer in bytes.
         repeats, warmup: timed and untimed forward+backward steps.
+        fp32_gemm: the library the measured build's float32 token-wise GEMMs call (``"mkl"`` or
+            ``"onednn"``); None for other dtypes.
     """
 
     op_seconds: dict
@@ -300,6 +302,7 @@ class Measurement:
     copy_buffer_bytes: int
     repeats: int
     warmup: int
+    fp32_gemm: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +418,8 @@ class Analysis:
             data["unfused_bytes"] = self.unfused_bytes
         if m is not None:
             data["measured"] = {"copy_bandwidth": m.copy_bandwidth, "copy_buffer_bytes": m.copy_buffer_bytes,
-                                "pass_seconds": m.pass_seconds, "repeats": m.repeats, "warmup": m.warmup}
+                                "pass_seconds": m.pass_seconds, "repeats": m.repeats, "warmup": m.warmup,
+                                "fp32_gemm": m.fp32_gemm}
         return data
 
 
@@ -518,7 +522,7 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
             copy()
     return Measurement({k: statistics.median(v) for k, v in per_op.items()},
                        {k: statistics.median(v) for k, v in per_pass.items()}, copy.bandwidth(),
-                       copy.buffer_bytes, repeats, warmup)
+                       copy.buffer_bytes, repeats, warmup, compiled.fp32_gemm_library)
 
 
 # -- presentation --------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from ..interop import optimize
 from ..backends.cpu.contraction import check_fp32_gemm
 from .baselines import padded_from, padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
+from .gemm_choice import gemm_label
 from .probes import machine_info
 from .timing import Candidate, fresh_inductor_cache, interleaved_times, sample_stats, set_substation_threads
 
@@ -429,7 +430,7 @@ def format_bench_model_eval(r: dict) -> str:
     lines = [f"{m['name']}: {m['num_layers']} layers, I={m['hidden_size']} H={m['num_heads']} "
              f"U={m['intermediate_size']}; {m['source']}",
              f"eval mode, torch.inference_mode, {r['precision']}"
-             + (f" ({r['fp32_gemm']} GEMMs)" if r.get("fp32_gemm") else "")
+             + gemm_label(r.get("fp32_gemm"))
              + f"; machine: {mc['cpu']}, {mc['cores']} logical CPUs; threads: {r['threads']}"
              + (f"; load average {load[0]:.2f}" if load else ""),
              "ONNX Runtime: " + (f"skipped: {r['ort']['skipped']}" if r["ort"]["skipped"] else

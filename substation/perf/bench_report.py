@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from ..files import atomic_write
+from .gemm_choice import gemm_label
 from .timing import PASSES
 
 __all__ = ["format_bench", "format_kernels", "plot_bench", "plot_kernels", "pyplot", "write_json"]
@@ -19,7 +20,7 @@ def _header(r: dict) -> list[str]:
     isa = " ".join(m.get("isa") or []) or "flags unknown"
     return [f"{c['name']}: B={r['batch_size']} L={r['seq_len']} I={c['hidden_size']} H={c['num_heads']} "
             f"U={c['ffn_size']} {c['activation']} {c['layer_norm']}-LN {c['dtype']}"
-            + (f" ({r['fp32_gemm']} GEMMs)" if r.get("fp32_gemm") else "") + f" mask={c['mask']}, "
+            + gemm_label(r.get("fp32_gemm")) + f" mask={c['mask']}, "
             + (f"train mode, dropout {c['dropout']['attention']}/{c['dropout']['hidden']}/{c['dropout']['activation']}"
              if r.get("mode", "train") == "train" else "eval mode, torch.inference_mode (Substation: inference build)"),
             f"machine: {m['cpu']} ({isa}), {m['cores']} logical CPUs; threads: {r['threads']} "
@@ -59,8 +60,11 @@ def format_bench(r: dict) -> str:
     lim = r.get("limit")
     if lim:
         per = lim["per_implementation"]
-        lines.append(f"limit (measured now): {lim['contraction_flop'] / 1e9:.4g} GFLOP of contractions at the BLAS's "
-                     f"{lim['gemm_rate'] / 1e9:.0f} GFLOP/s + {lim['memory_bound_bytes'] / 1e6:.4g} MB of SN/EW "
+        # float32: the build's library; bfloat16 builds call oneDNN, float64 builds MKL
+        library = {"mkl": "MKL", "onednn": "oneDNN"}.get(r.get("fp32_gemm")) or \
+            ("oneDNN" if r["dtype"] == "bfloat16" else "MKL")
+        lines.append(f"limit (measured now): {lim['contraction_flop'] / 1e9:.4g} GFLOP of contractions at "
+                     f"{library}'s {lim['gemm_rate'] / 1e9:.0f} GFLOP/s + {lim['memory_bound_bytes'] / 1e6:.4g} MB of SN/EW "
                      f"bytes at {lim['copy_bandwidth'] / 1e9:.1f} GB/s = {lim['limit_seconds'] * 1e3:.4g} ms "
                      f"(at the FMA peak {lim['fma_peak'] / 1e9:.0f} GFLOP/s: {lim['fma_limit_seconds'] * 1e3:.4g} ms; "
                      f"{r['dtype']})")

@@ -7,15 +7,17 @@ that :func:`choose_fp32_gemm` measured faster on this machine for the layer's sh
 keep MKL, whose weight gradients carry PyTorch float32's error (oneDNN's reached 2.2x of it, the
 chunked inner sums of ``ss::matmul<float>`` do not reach GEMMs whose k is the token count).
 
-The measurement: :data:`ROUNDS` rounds, each timing both libraries (the first alternating) on the
-layer's token-wise GEMMs at :data:`ROWS` token rows (Q, K, V and out_proj: I x I, linear1: U x I,
-linear2: I x U), the fastest of two calls per GEMM (:func:`~substation.perf.probes.gemm_seconds`),
-summed over the GEMMs. oneDNN is chosen only when it won significantly many rounds (one-sided sign
-test at 5%, :func:`~substation.perf.timing.sign_test_wins`) and its median sum is at least
-:data:`MIN_GAIN` below MKL's, so a busy machine or a small lead keeps MKL. The choice is recorded per
-CPU, thread count, library versions and (I, U) in ``<build cache>/tune/fp32-gemm-<key>.json`` (written
-atomically) and measured once; ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes
-what ``"auto"`` means instead (reproducible runs, a machine whose record is wrong).
+The measurement: a discarded round, then :data:`ROUNDS` rounds, each timing both libraries (the
+first alternating) on the layer's token-wise GEMMs at :data:`ROWS` token rows (Q, K, V and out_proj:
+I x I, linear1: U x I, linear2: I x U), the fastest of two calls per GEMM
+(:func:`~substation.perf.probes.gemm_seconds`), summed over the GEMMs. oneDNN is chosen only when it
+won significantly many rounds (one-sided sign test at 5%, :func:`~substation.perf.timing.sign_test_wins`)
+and its median sum is at least :data:`MIN_GAIN` below MKL's: a small or inconsistent lead keeps MKL.
+The choice is recorded per CPU, OpenMP thread count, library versions and (I, U) in
+``<build cache>/tune/fp32-gemm-<key>.json`` (written atomically) and measured once, by one process at
+a time; ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes the inference builds'
+library instead (reproducible runs, a machine whose record is wrong); training builds call MKL
+either way.
 
 Units: seconds.
 """
@@ -29,6 +31,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 from ..backends.cpu.build import BuildError, ToolchainError, cache_dir, cpu_id, onednn, toolchain
 from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
@@ -37,7 +40,7 @@ from ..version import __version__
 from . import probes
 from .timing import sign_test_wins
 
-__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "ENVIRONMENT", "resolve_fp32_gemm", "choose_fp32_gemm"]
+__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm", "resolve_fp32_gemm", "choose_fp32_gemm"]
 
 #: Token rows of the measured GEMMs: where inference batches spend their time (fewer than 256 rows go
 #: to MKL in either library, substation_dnnl.h).
@@ -51,29 +54,51 @@ ENVIRONMENT = "SUBSTATION_FP32_GEMM"
 RECORD_FORMAT = "substation-fp32-gemm/1"
 
 
+def gemm_label(library: str | None) -> str:
+    """`` (<library> GEMMs)`` for result texts, naming MKL's share of a oneDNN build (calls under 256
+    token rows); empty for None (no float32 GEMMs)."""
+    if library is None:
+        return ""
+    return f" ({library} GEMMs{', MKL under 256 token rows' if library == 'onednn' else ''})"
+
+
+def fixed_fp32_gemm() -> str | None:
+    """The library ``$SUBSTATION_FP32_GEMM`` fixes for float32 inference builds with ``"auto"``, or None
+    (unset or empty).
+
+    Raises:
+        ValueError: it is set to something else than a library.
+    """
+    fixed = os.environ.get(ENVIRONMENT)
+    if fixed and fixed not in FP32_GEMM_LIBRARIES:
+        raise ValueError(f"${ENVIRONMENT} must be one of {', '.join(FP32_GEMM_LIBRARIES)} (or unset), got {fixed!r}")
+    return fixed or None
+
+
 def resolve_fp32_gemm(fp32_gemm: str, config, mode: str) -> str:
     """The library a build of ``config`` in ``mode`` (``train`` or ``eval``) calls for ``fp32_gemm``: the
-    library itself when one is named; for ``"auto"``: ``$SUBSTATION_FP32_GEMM`` when set, else MKL for
-    training builds and for builds that are not float32 CPU builds (which ignore the option), else
-    :func:`choose_fp32_gemm` of the layer's hidden and feed-forward sizes.
+    library itself when one is named; for ``"auto"``: MKL for training builds and for builds that are not
+    float32 CPU builds (which ignore the option); for float32 inference builds :func:`fixed_fp32_gemm`
+    when set, else :func:`choose_fp32_gemm` of the layer's hidden and feed-forward sizes on the current
+    OpenMP thread count (MKL, with a warning, where the probes that measure cannot be built).
 
     Raises:
         ValueError: an unknown ``fp32_gemm``, or ``$SUBSTATION_FP32_GEMM`` set to something else than a
-            library.
-        BuildError: the measurement's probe libraries cannot be built.
+            library (where it is read).
     """
     check_fp32_gemm(fp32_gemm)
     if fp32_gemm != "auto":
         return fp32_gemm
-    fixed = os.environ.get(ENVIRONMENT)
-    if fixed:
-        if fixed not in FP32_GEMM_LIBRARIES:
-            raise ValueError(f"${ENVIRONMENT} must be one of {', '.join(FP32_GEMM_LIBRARIES)} (or unset), "
-                             f"got {fixed!r}")
-        return fixed
     if mode != "eval" or config.dtype != "float32" or config.target != "cpu":
         return "mkl"
-    return choose_fp32_gemm(config.hidden_size, config.ffn_size)["library"]
+    fixed = fixed_fp32_gemm()
+    if fixed is not None:
+        return fixed
+    try:
+        threads = probes.openmp_threads()
+    except (BuildError, ToolchainError) as e:
+        return _unmeasured(e)["library"]
+    return choose_fp32_gemm(config.hidden_size, config.ffn_size, threads)["library"]
 
 
 def _shapes(hidden: int, ffn: int) -> list[tuple[int, int, int]]:
@@ -81,19 +106,20 @@ def _shapes(hidden: int, ffn: int) -> list[tuple[int, int, int]]:
     return [(ROWS, hidden, hidden)] * 4 + [(ROWS, ffn, hidden), (ROWS, hidden, ffn)]
 
 
-def _record_path(hidden: int, ffn: int) -> str:
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
+def _record_path(hidden: int, ffn: int, threads: int) -> str:
     try:
         dnnl = onednn().version
     except ToolchainError:
         dnnl = "none"
-    h = hashlib.sha256("\0".join([cpu_id(), threads, toolchain().blas_version, dnnl, str(hidden), str(ffn),
+    h = hashlib.sha256("\0".join([cpu_id(), str(threads), toolchain().blas_version, dnnl, str(hidden), str(ffn),
                                   str(ROWS), __version__]).encode())
     return os.path.join(cache_dir(), "tune", f"fp32-gemm-{h.hexdigest()[:16]}.json")
 
 
 def _measure(hidden: int, ffn: int) -> dict:
     shapes = _shapes(hidden, ffn)
+    for lib in FP32_GEMM_LIBRARIES:  # a first round, discarded: libraries and threads start up
+        probes.gemm_seconds(shapes, lib, repeats=1)
     seconds = {lib: [] for lib in FP32_GEMM_LIBRARIES}
     for r in range(ROUNDS):
         for lib in FP32_GEMM_LIBRARIES[r % 2:] + FP32_GEMM_LIBRARIES[:r % 2]:
@@ -132,19 +158,27 @@ def _measuring_alone(path: str):
         yield
 
 
+def _unmeasured(error: Exception) -> dict:
+    """The record of a choice that could not be measured: MKL (no oneDNN build would work either)."""
+    warnings.warn(f"float32 inference builds call MKL: the float32 GEMM libraries could not be measured "
+                  f"({type(error).__name__}: {error}); ${ENVIRONMENT}=mkl says so without measuring", stacklevel=3)
+    return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": f"{type(error).__name__}: {error}"}
+
+
 @functools.lru_cache(maxsize=None)
-def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
+def choose_fp32_gemm(hidden: int, ffn: int, threads: int) -> dict:
     """The float32 GEMM library for layers of hidden size ``hidden`` (I) and feed-forward size ``ffn``
-    (U) on this machine: the record of an earlier measurement, else a new measurement (see the module
-    docstring; about 1 s for all-MiniLM-L6-v2's sizes, 4 s for BERT-base's), recorded. Processes that
-    find no record measure one at a time (a lock file next to the record); the later ones read the
-    first one's record.
+    (U) on this machine with ``threads`` OpenMP threads (the current count,
+    :func:`~substation.perf.probes.openmp_threads`, which the measurement runs on): the record of an
+    earlier measurement, else a new measurement (see the module docstring; about 1 s for
+    all-MiniLM-L6-v2's sizes, 4 s for BERT-base's on 2 threads), recorded. Processes that find no record
+    measure one at a time (a lock file next to the record); the later ones read the first one's record.
 
     Returns:
         The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
         over ``shapes``), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median / oneDNN's), ``rows``,
         ``shapes`` ((m, n, k) lists) and ``measured`` (local time). Where oneDNN or a probe library
-        cannot be built: ``library`` ``"mkl"`` and ``unavailable`` (why), nothing recorded.
+        cannot be built: ``library`` ``"mkl"`` and ``unavailable`` (why), with a warning, nothing recorded.
 
     Raises:
         BuildError: the build cache folder cannot be created.
@@ -152,8 +186,8 @@ def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
     try:
         onednn()
     except ToolchainError as e:
-        return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": str(e)}
-    path = _record_path(hidden, ffn)
+        return _unmeasured(e)
+    path = _record_path(hidden, ffn, threads)
     record = _read_record(path)
     if record is not None:
         return record
@@ -163,8 +197,8 @@ def choose_fp32_gemm(hidden: int, ffn: int) -> dict:
             return record
         try:
             record = _measure(hidden, ffn)
-        except (BuildError, ToolchainError, RuntimeError) as e:  # then no oneDNN build would work either
-            return {"format": RECORD_FORMAT, "library": "mkl", "unavailable": f"{type(e).__name__}: {e}"}
+        except (BuildError, ToolchainError, RuntimeError) as e:
+            return _unmeasured(e)
         try:
             atomic_write_text(path, json.dumps(record, indent=1))
         except OSError:

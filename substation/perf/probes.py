@@ -15,7 +15,7 @@ from ..backends.cpu.build import build_library
 from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..resources import csrc_file
 
-__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info"]
+__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info", "openmp_threads"]
 
 
 def _l3_bytes() -> int:
@@ -113,6 +113,17 @@ def _probe_dtype(dtype: str, allowed=("float32", "float64")) -> int:
     if dtype not in allowed:
         raise ValueError(f"dtype must be one of {', '.join(allowed)}, got {dtype!r}")
     return int(dtype == "float64")
+
+
+def openmp_threads() -> int:
+    """The OpenMP thread count that the generated code and the probes run with now (``omp_get_max_threads``
+    of their runtime, which ``torch.set_num_threads`` and :func:`~substation.perf.timing.set_substation_threads`
+    set).
+
+    Raises:
+        ToolchainError, BuildError: the probe library cannot be built.
+    """
+    return int(_probe_library().omp_get_max_threads())
 
 
 def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = "float32") -> list[float]:

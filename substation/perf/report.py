@@ -113,7 +113,8 @@ def format_report(analysis: Analysis) -> str:
                      f"{m.copy_buffer_bytes / 2 ** 20:.0f} MiB buffers); "
                      + ", ".join(f"{p} {v * 1e3:.2f} ms" for p, v in m.pass_seconds.items())
                      + f" wall (median of {m.repeats}); "
-                     f"timed operators {tot['seconds'] * 1e3:.2f} ms")
+                     f"timed operators {tot['seconds'] * 1e3:.2f} ms"
+                     + (f"; float32 GEMMs: {m.fp32_gemm}" if m.fp32_gemm else ""))
     if not train:
         lines += ["", "eval mode: the inference build's forward graph alone (no dropout, nothing saved for backward); "
                       "the paper's Table 1 is a forward+backward training step, so no comparison is made"]
