@@ -391,7 +391,8 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         torch._dynamo.reset()  # its caches keep the compiled model alive
     c = spec.config
     return {
-        "schema": SCHEMA, "mode": "eval", "dtype": dtype, "fp32_gemm": next((c.fp32_gemm_library for c in inference), None),
+        "schema": SCHEMA, "mode": "eval", "dtype": dtype,
+        "fp32_gemm": next((c.fp32_gemm_library for c in inference), None),
         "precision": ("torch.autocast('cpu', dtype=torch.bfloat16) around float32 weights" if dtype == "bfloat16"
                       else "float32"),
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,

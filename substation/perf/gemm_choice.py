@@ -40,7 +40,8 @@ from ..version import __version__
 from . import probes
 from .timing import sign_test_wins
 
-__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm", "resolve_fp32_gemm", "choose_fp32_gemm"]
+__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm", "resolve_fp32_gemm",
+           "choose_fp32_gemm"]
 
 #: Token rows of the measured GEMMs: where inference batches spend their time (fewer than 256 rows go
 #: to MKL in either library, substation_dnnl.h).
@@ -49,7 +50,7 @@ ROWS = 1024
 ROUNDS = 9
 #: oneDNN's median time must be at least this fraction below MKL's.
 MIN_GAIN = 0.03
-#: The environment variable that fixes the library ``"auto"`` resolves to.
+#: The environment variable that fixes float32 inference builds' library under ``"auto"``.
 ENVIRONMENT = "SUBSTATION_FP32_GEMM"
 RECORD_FORMAT = "substation-fp32-gemm/1"
 
@@ -107,12 +108,8 @@ def _shapes(hidden: int, ffn: int) -> list[tuple[int, int, int]]:
 
 
 def _record_path(hidden: int, ffn: int, threads: int) -> str:
-    try:
-        dnnl = onednn().version
-    except ToolchainError:
-        dnnl = "none"
-    h = hashlib.sha256("\0".join([cpu_id(), str(threads), toolchain().blas_version, dnnl, str(hidden), str(ffn),
-                                  str(ROWS), __version__]).encode())
+    h = hashlib.sha256("\0".join([cpu_id(), str(threads), toolchain().blas_version, onednn().version, str(hidden),
+                                  str(ffn), str(ROWS), __version__]).encode())
     return os.path.join(cache_dir(), "tune", f"fp32-gemm-{h.hexdigest()[:16]}.json")
 
 
