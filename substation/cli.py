@@ -270,14 +270,13 @@ def cmd_bench(args) -> int:
         print("substation: error: --fp32-gemm applies to the Substation vs PyTorch comparison and --kernels; "
               "--compare-layouts and --attention-lengths use the default library", file=sys.stderr)
         return 2
-    if args.compare_layouts:
-        return cmd_compare_layouts(args)
     if args.attention_lengths is not None:
         from .perf import bench_attention
-        if args.kernels or args.mode == "eval" or args.layout or args.batch_size or args.seq_len or args.plot:
+        if args.kernels or args.compare_layouts or args.mode or args.layout or args.batch_size or args.seq_len \
+                or args.plot:
             print("substation: error: --attention-lengths times the inference build at those lengths (B keeps the "
-                  "config's token count); it takes no --kernels, --mode, --layout, --batch-size, "
-                  "--seq-len or --plot", file=sys.stderr)
+                  "config's token count); it takes no --kernels, --compare-layouts, --mode, --layout, "
+                  "--batch-size, --seq-len or --plot", file=sys.stderr)
             return 2
         try:
             result = bench_attention.run_bench_attention(
@@ -288,6 +287,8 @@ def cmd_bench(args) -> int:
             return 2
         print(bench_attention.format_bench_attention(result))
         return _write_outputs(args, result, bench_report.write_json, None)
+    if args.compare_layouts:
+        return cmd_compare_layouts(args)
     if args.kernels:
         result = bench.kernel_table(args.config, repeats=args.repeats, warmup=args.warmup,
                                     batch_size=args.batch_size, seq_len=args.seq_len, layout=args.layout,
@@ -296,7 +297,8 @@ def cmd_bench(args) -> int:
     else:
         result = bench.run_bench(args.config, repeats=args.repeats, warmup=args.warmup, batch_size=args.batch_size,
                                  seq_len=args.seq_len, include_compile=not args.no_compile, hf_attn=args.hf_attn,
-                                 layout=args.layout, mode=args.mode, dtype=args.dtype, fp32_gemm=args.fp32_gemm,
+                                 layout=args.layout, mode=args.mode or "train", dtype=args.dtype,
+                                 fp32_gemm=args.fp32_gemm,
                                  progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         text, plot = bench_report.format_bench(result), bench_report.plot_bench
     print(text)
@@ -538,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", metavar="PLAN", help="the tuned plan for --compare-layouts (default: bundled "
                                                     "configs/<config name>.plan.json); otherwise the plan "
                                                     "Substation compiles with (default: PyTorch's layouts)")
-    p.add_argument("--mode", choices=("train", "eval"), default="train",
+    p.add_argument("--mode", choices=("train", "eval"),
                    help="train: forward+backward steps with dropout (default); eval: forward passes in eval mode "
                         "under torch.inference_mode (Substation's inference build)")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"),
@@ -589,7 +591,8 @@ def main(argv=None) -> int:
     from .passes.layout import LayoutInfeasible, PlanError
     args = build_parser().parse_args(argv)
     try:
-        fixed_fp32_gemm()  # a bad $SUBSTATION_FP32_GEMM is named before any work
+        if args.func not in (cmd_cache, cmd_graphs):  # the commands that build layers
+            fixed_fp32_gemm()  # a bad $SUBSTATION_FP32_GEMM is named before any work
     except ValueError as e:
         print(f"substation: error: {e}", file=sys.stderr)
         return 2

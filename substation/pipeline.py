@@ -59,7 +59,7 @@ class PipelineOptions:
         fp32_gemm: the library of float32 CPU builds' token-wise contractions (other builds ignore it):
             ``"auto"`` (default: inference builds the library measured faster on this machine, training
             builds MKL; :mod:`substation.perf.gemm_choice`), ``"mkl"`` (``cblas_sgemm``) or ``"onednn"``
-            (``ss::matmul<float>``: 1.10-1.24x faster layers on AMD Zen 4, with up to 2.2x PyTorch
+            (``ss::matmul<float>``: 1.10-1.24x faster layers on AMD Zen 4, with up to 2.2-3.5x PyTorch
             float32's error on weight gradients; docs/toolchain.md), one of
             :data:`~substation.backends.cpu.contraction.FP32_GEMM_CHOICES`.
         float32_masters: bfloat16 CPU builds that a float32 layer runs under autocast: its parameters are

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 import subprocess
 
 import pytest
@@ -143,6 +144,7 @@ def test_bench_attention_cli(tmp_path, capsys):
                  "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["schema"] == "substation-bench-attention/1" and [x["seq_len"] for x in r["lengths"]] == [8, 40]
+    assert r["fp32_gemm"] is None  # tiny is float64
     for row in r["lengths"]:
         b, j = row["batch_size"], row["seq_len"]
         assert b == max(1, TINY.batch_size * TINY.max_seq_len // j)
@@ -156,6 +158,12 @@ def test_bench_attention_cli(tmp_path, capsys):
             row["attention_seconds"]["unfused"]["median"] / row["attention_seconds"]["fused"]["median"])
     assert "attn ms fused" in capsys.readouterr().out
     assert main(["bench", "tiny", "--attention-lengths", "8", "--mode", "eval"]) == 2
+    assert main(["bench", "tiny", "--attention-lengths", "8", "--mode", "train"]) == 2
+    assert main(["bench", "tiny", "--attention-lengths", "8", "--compare-layouts"]) == 2
+    assert "it takes no --kernels, --compare-layouts, --mode" in capsys.readouterr().err
+    assert main(["bench", "tiny", "--attention-lengths", "99999999999", "--repeats", "1"]) == 2
+    assert re.search(r"L=99999999999: the unfused chain needs [\d.]+ GiB of workspace at B=1, over half of this "
+                     r"machine's [\d.]+ GiB; give shorter lengths", capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["bench", "tiny", "--attention-lengths", "0"])
     assert "argument --attention-lengths: must be >= 1, got 0" in capsys.readouterr().err

@@ -154,6 +154,7 @@ def test_a_bad_fp32_gemm_environment_is_named_before_any_work(capsys, monkeypatc
     assert "substation: error: $SUBSTATION_FP32_GEMM must be one of mkl, onednn (or unset), got 'ONEDNN'" \
         in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    assert main(["cache"]) == 0  # builds nothing: the variable does not matter there
 
 
 def test_version(capsys):

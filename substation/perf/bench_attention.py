@@ -15,10 +15,12 @@ Units: bytes, seconds. Dimension letters: B batch, L = J = K sequence length, H 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Callable
 
 from ..config import EncoderConfig, load_config
 from .analysis import operator_count
+from .gemm_choice import gemm_label
 from .probes import machine_info
 from .timing import interleaved_rounds, sample_stats, set_substation_threads
 
@@ -59,15 +61,17 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
         progress: called with a short message before each phase.
 
     Returns:
-        Plain data: ``schema``, ``config``, ``machine``, ``threads``, ``repeats``, ``warmup`` and
+        Plain data: ``schema``, ``config``, ``fp32_gemm`` (the library the float32 builds' token-wise
+        GEMMs call; None for other dtypes), ``machine``, ``threads``, ``repeats``, ``warmup`` and
         ``lengths``: one entry per L with ``batch_size``, ``seq_len``, ``bytes`` / ``workspace_bytes`` /
         ``attention_seconds`` / ``layer_seconds`` (each ``{"fused": ..., "unfused": ...}``, seconds as
         :func:`~substation.perf.timing.sample_stats`), ``bytes_saved`` and the ratios
         ``attention_speedup`` and ``layer_speedup`` (unfused median / fused median).
 
     Raises:
-        ValueError: repeats < 1, warmup < 0, an empty or non-positive length, or a config the fused
-            kernel is not for (target cuda, float16).
+        ValueError: repeats < 1, warmup < 0, an empty or non-positive length, a length whose unfused
+            workspace exceeds half the machine's memory, or a config the fused kernel is not for (target
+            cuda, float16).
         ConfigError, FileNotFoundError, ToolchainError, BuildError: from loading and compiling.
     """
     import torch
@@ -100,6 +104,13 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
               "unfused": {op.label for op in unfused_graph.operators()
                           if {t for t, _ in unfused_graph.operands(op).values()} & removed}}
     tokens = config.batch_size * config.max_seq_len
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for seq in lengths:  # before any tensor is made: the unfused chain's [B, H, L, L] scores grow as L
+        batch = max(1, tokens // seq)
+        need = _workspace_bytes(builds["unfused"].forward, batch, seq)
+        if need > memory // 2:
+            raise ValueError(f"L={seq}: the unfused chain needs {need / 2**30:.1f} GiB of workspace at B={batch}, "
+                             f"over half of this machine's {memory / 2**30:.1f} GiB; give shorter lengths")
     rows = []
     for seq in lengths:
         batch = max(1, tokens // seq)
@@ -132,8 +143,8 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
                      "attention_seconds": attention, "layer_seconds": layer,
                      "attention_speedup": attention["unfused"]["median"] / attention["fused"]["median"],
                      "layer_speedup": layer["unfused"]["median"] / layer["fused"]["median"]})
-    return {"schema": SCHEMA, "config": config.to_dict(), "machine": machine, "threads": machine["threads"],
-            "repeats": repeats, "warmup": warmup, "lengths": rows}
+    return {"schema": SCHEMA, "config": config.to_dict(), "fp32_gemm": builds["fused"].fp32_gemm_library,
+            "machine": machine, "threads": machine["threads"], "repeats": repeats, "warmup": warmup, "lengths": rows}
 
 
 def format_bench_attention(r: dict) -> str:
@@ -143,7 +154,8 @@ def format_bench_attention(r: dict) -> str:
         KeyError: a malformed result.
     """
     c, m = r["config"], r["machine"]
-    lines = [f"{c['name']}: I={c['hidden_size']} H={c['num_heads']} {c['dtype']}, inference build; "
+    lines = [f"{c['name']}: I={c['hidden_size']} H={c['num_heads']} {c['dtype']}{gemm_label(r.get('fp32_gemm'))}, "
+             f"inference build; "
              f"{m['cpu']}, {r['threads']} threads; medians of {r['repeats']} interleaved rounds",
              f"{'B x L':>10} {'MB unfused':>11} {'MB fused':>9} {'ws MiB unf.':>12} {'ws MiB fused':>13} "
              f"{'attn ms unf.':>13} {'attn ms fused':>14} {'attn x':>7} {'layer ms unf.':>14} "

@@ -360,7 +360,7 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
 
     Accepted shapes: ``[B, K]`` and 4-D ``[B, H, J, K]`` (B, H and J may also be 1, broadcast; the
     operator reduces a 4-D mask to its key mask after checking that its heads and rows agree). With
-    ``padding_only`` (PyTorch's ``key_padding_mask``): a bool ``[B, K]`` mask only.
+    ``padding_only`` (PyTorch's ``key_padding_mask``): a bool ``[B, K]`` mask only (B may be 1).
 
     Raises:
         ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
@@ -378,7 +378,7 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
         if mask.dtype != torch.bool:
             raise TypeError(f"{what} must be a bool tensor [B, K] (True = padding), got {mask.dtype}")
         if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
-            raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], got {shape}")
+            raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}] (or [1, K]), got {shape}")
         return
     if not (mask.dtype == torch.bool or mask.is_floating_point()
             or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8)):
