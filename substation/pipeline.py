@@ -32,7 +32,7 @@ from .passes.fusion import fuse as fuse_graph
 from .passes.layout import LayoutPlan, apply_plan, default_plan, load_plan
 from .passes.precision import applies_to as mixed_precision_applies
 from .passes.precision import cast_backward_contraction_inputs, mixed_precision
-from .perf.gemm_choice import resolve_fp32_gemm
+from .perf.gemm_choice import fixed_fp32_gemm, resolve_fp32_gemm
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
@@ -69,7 +69,8 @@ class PipelineOptions:
             other builds ignore it.
 
     Raises:
-        TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm.
+        TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm; fp32_gemm
+            ``"auto"`` with ``$SUBSTATION_FP32_GEMM`` set to something else than a library.
     """
 
     fuse: bool = True
@@ -87,6 +88,8 @@ class PipelineOptions:
         if self.mode not in MODES:
             raise ValueError(f"PipelineOptions.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         check_fp32_gemm(self.fp32_gemm)
+        if self.fp32_gemm == "auto":
+            fixed_fp32_gemm()  # a bad $SUBSTATION_FP32_GEMM is named at the compile, not at a later inference call
         if self.mode == "eval" and self.layout not in (None, "default"):
             raise ValueError("layout plans are chosen for the training graphs (forward and backward together); "
                              "an inference build uses PyTorch's layouts (pass layout=None)")

@@ -129,3 +129,12 @@ def test_a_record_written_while_waiting_is_read_and_a_failed_probe_means_mkl(unp
         record = choose_fp32_gemm(48, 96, 2)
     assert record["library"] == "mkl" and record["unavailable"] == "BuildError: the compiler failed"
     assert len(list((unpinned / "tune").glob("*.json"))) == 1  # the other process's record alone
+
+
+def test_a_bad_environment_is_named_when_a_layer_compiles(monkeypatch):
+    import substation
+    from substation.pipeline import PipelineOptions
+    monkeypatch.setenv(ENVIRONMENT, "MKL")
+    with pytest.raises(ValueError, match=r"\$SUBSTATION_FP32_GEMM must be one of mkl, onednn \(or unset\), got 'MKL'"):
+        substation.compile("tiny")
+    assert PipelineOptions(fp32_gemm="mkl").fp32_gemm == "mkl"  # a named library does not read it
