@@ -394,7 +394,7 @@ def cmd_tune(args) -> int:
 def cmd_cache(args) -> int:
     """``substation cache``: the build cache's folder, builds and size; ``--prune-days N`` removes the
     builds unused for N days, ``--clear`` every build (docs/toolchain.md, "Build cache")."""
-    from .backends.cpu.build import cache_entries, cache_path, prune_cache
+    from .backends.cpu.build import TUNE_FOLDER, cache_entries, cache_path, prune_cache
 
     def summary(entries) -> str:
         return f"{len(entries)} build{'' if len(entries) == 1 else 's'}, {sum(e.bytes for e in entries) / 2**20:.1f} MiB"
@@ -406,9 +406,10 @@ def cmd_cache(args) -> int:
     if entries:
         used = "; last used " + " .. ".join(time.strftime("%Y-%m-%d", time.localtime(e.last_used))
                                             for e in (entries[0], entries[-1]))
-    absent = "" if os.path.lexists(cache_path()) else " (not created yet)"
-    print(f"build cache {cache_path()}{absent}: {summary(entries)}{used}")
-    tune = os.path.join(cache_path(), "tune")
+    root = cache_path()
+    absent = "" if os.path.lexists(root) else " (not created yet)"
+    print(f"build cache {root}{absent}: {summary(entries)}{used}")
+    tune = os.path.join(root, TUNE_FOLDER)
     records = sorted(n for n in os.listdir(tune) if n.endswith(".json")) if os.path.isdir(tune) else []
     if records:
         choices = sum(n.startswith("fp32-gemm-") for n in records)

@@ -104,16 +104,16 @@ def run_bench_attention(config, lengths=LENGTHS, repeats: int = 5, warmup: int =
               "unfused": {op.label for op in unfused_graph.operators()
                           if {t for t, _ in unfused_graph.operands(op).values()} & removed}}
     tokens = config.batch_size * config.max_seq_len
+    batches = {seq: max(1, tokens // seq) for seq in lengths}  # B keeps the config's token count
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for seq in lengths:  # before any tensor is made: the unfused chain's [B, H, L, L] scores grow as L
-        batch = max(1, tokens // seq)
+    for seq, batch in batches.items():  # before any tensor is made: the unfused chain's [B, H, L, L] scores
         need = _workspace_bytes(builds["unfused"].forward, batch, seq)
         if need > memory // 2:
             raise ValueError(f"L={seq}: the unfused chain needs {need / 2**30:.1f} GiB of workspace at B={batch}, "
                              f"over half of this machine's {memory / 2**30:.1f} GiB; give shorter lengths")
     rows = []
     for seq in lengths:
-        batch = max(1, tokens // seq)
+        batch = batches[seq]
         sizes = config.sizes(batch, seq)
         graphs = {n: c.forward for n, c in builds.items()}
         given = _inputs(graphs["fused"], config, batch, seq)

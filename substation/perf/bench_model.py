@@ -335,7 +335,8 @@ def compiled_layers(model) -> tuple[int, dict]:
 
 def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, warmup: int,
                 include_compile: bool, backend: str, seed: int, threads: int, fp32_gemm: str,
-                say: Callable[[str], None]) -> dict:
+                say: Callable[[str], None]) -> tuple[dict, set]:
+    """(the head's result, the libraries its float32 builds' token-wise GEMMs call)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -414,7 +415,6 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
         "replaced_layers": replaced,
         "optimize_seconds": optimize_seconds,
         "substation_build_seconds": [dict(c.build_seconds) for c in builds.values()],
-        "fp32_gemm_libraries": sorted({c.fp32_gemm_library for c in builds.values()} - {None}),
         "substation_threads": sub_threads,
         "check": {"mode": "eval (dropout off), before any step", "loss_plain": loss_plain,
                   "loss_optimized": loss_opt, "abs_diff": abs(loss_plain - loss_opt)},
@@ -423,7 +423,7 @@ def _bench_head(spec: ModelSpec, head: str, batch: int, seq: int, rounds: int, w
         "speedup_vs_eager": ratio("plain_eager", "optimized_eager"),
         "speedup_vs_compile": ratio("plain_compile", "optimized_eager"),
         "speedup_compiled_vs_compile": ratio("plain_compile", "optimized_compile"),
-    }
+    }, {c.fp32_gemm_library for c in builds.values()} - {None}
 
 
 def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", batch: int = 8, seq_len: int = 128,
@@ -473,22 +473,22 @@ def run_bench_model(model: str | ModelSpec = "bert-base", head: str = "both", ba
     machine = machine_info()
     threads = machine["threads"]
     torch.set_num_threads(threads)
-    heads = {}
+    heads, libraries = {}, set()
     for h in (HEADS if head == "both" else (head,)):
-        heads[h] = _bench_head(spec, h, batch, seq_len, rounds, warmup, include_compile, compile_backend, seed,
-                               threads, fp32_gemm, say)
+        heads[h], used = _bench_head(spec, h, batch, seq_len, rounds, warmup, include_compile, compile_backend, seed,
+                                     threads, fp32_gemm, say)
+        libraries |= used
         if include_compile:
             torch._dynamo.reset()  # its caches keep the compiled models (and their memory) alive
         gc.collect()
     c = spec.config
-    libraries = sorted({lib for h in heads.values() for lib in h.pop("fp32_gemm_libraries")})
     return {
         "schema": SCHEMA,
         "model": {"name": spec.name, "source": spec.source, "weights": spec.weights,
                   "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
                   "num_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
                   "vocab_size": c.vocab_size, "hidden_act": c.hidden_act, "attn_implementation": "sdpa"},
-        "batch_size": batch, "seq_len": seq_len, "mode": "train", "fp32_gemm": ", ".join(libraries) or None,
+        "batch_size": batch, "seq_len": seq_len, "mode": "train", "fp32_gemm": ", ".join(sorted(libraries)) or None,
         "dropout": {"attention": c.attention_probs_dropout_prob, "hidden": c.hidden_dropout_prob},
         "mask": f"attention_mask [B, J]: rows {batch // 2}..{batch - 1} padded from position {(3 * seq_len) // 4} on",
         "optimizer": {"name": "AdamW", "lr": LEARNING_RATE,

@@ -33,7 +33,7 @@ import statistics
 import time
 import warnings
 
-from ..backends.cpu.build import BuildError, ToolchainError, cache_dir, cpu_id, onednn, toolchain
+from ..backends.cpu.build import TUNE_FOLDER, BuildError, ToolchainError, cache_dir, cpu_id, onednn, toolchain
 from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..files import atomic_write_text
 from ..version import __version__
@@ -110,7 +110,7 @@ def _shapes(hidden: int, ffn: int) -> list[tuple[int, int, int]]:
 def _record_path(hidden: int, ffn: int, threads: int) -> str:
     h = hashlib.sha256("\0".join([cpu_id(), str(threads), toolchain().blas_version, onednn().version, str(hidden),
                                   str(ffn), str(ROWS), __version__]).encode())
-    return os.path.join(cache_dir(), "tune", f"fp32-gemm-{h.hexdigest()[:16]}.json")
+    return os.path.join(cache_dir(), TUNE_FOLDER, f"fp32-gemm-{h.hexdigest()[:16]}.json")
 
 
 def _measure(hidden: int, ffn: int) -> dict:

@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Callable
 
-from ..backends.cpu.build import build_libraries, cache_dir, cpu_id, toolchain
+from ..backends.cpu.build import TUNE_FOLDER, build_libraries, cache_dir, cpu_id, toolchain
 from ..backends.cpu.codegen import generate_cpu
 from ..config import load_config
 from ..files import atomic_write_text
@@ -102,7 +102,7 @@ def _machine_key(config, sizes: dict) -> str:
 
 def default_cache_path(config, sizes: dict) -> str:
     """``<build cache>/tune/<machine and sizes key>.json``."""
-    return os.path.join(cache_dir(), "tune", f"{config.name}-{_machine_key(config, sizes)}.json")
+    return os.path.join(cache_dir(), TUNE_FOLDER, f"{config.name}-{_machine_key(config, sizes)}.json")
 
 
 # -- calibration -----------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def check_mask_values(mask: torch.Tensor) -> None:
             raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
                              "large negative value, attended keys 0")
         return
-    low, high = int(mask.min()), int(mask.max())
+    low, high = (int(v) for v in torch.aminmax(mask))
     if low < 0 or high > 1:
         raise ValueError(f"the integer attention mask holds values from {low} to {high}; integer and bool masks "
                          f"hold 1 (attend) and 0 (masked) only; pass an additive mask (0 = attend, -inf or a "

@@ -29,8 +29,8 @@ from ...resources import csrc_dir, csrc_file
 from ...version import __version__
 
 __all__ = ["ToolchainError", "BuildError", "Toolchain", "OneDNN", "toolchain", "onednn", "cache_dir", "cache_path",
-           "CUDA_KEY_PREFIX", "build_library", "build_libraries", "cpu_flags", "require_bf16_isa", "CacheEntry",
-           "cache_entries", "prune_cache"]
+           "TUNE_FOLDER", "CUDA_KEY_PREFIX", "build_library", "build_libraries", "cpu_flags", "require_bf16_isa",
+           "CacheEntry", "cache_entries", "prune_cache"]
 
 #: -mprefer-vector-width=512: GCC's tuning for recent Xeons keeps auto-vectorized loops at 256 bits;
 #: the compute-bound row kernels (GELU and its gradient) take 35-40% less time at 512 (docs/toolchain.md).
@@ -185,6 +185,11 @@ def toolchain() -> Toolchain:
     except Exception:  # noqa: BLE001 - MKL outside pip: key by the library file instead
         blas_version = os.path.realpath(libs[-1])
     return Toolchain(exe, version, include, tuple(libs), blas_version)
+
+
+#: The subfolder of the build cache holding tuning records (layout measurements, float32 GEMM choices),
+#: which pruning keeps.
+TUNE_FOLDER = "tune"
 
 
 def cache_path() -> str:
