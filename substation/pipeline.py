@@ -189,7 +189,7 @@ def _graphs(state: PipelineState) -> dict[str, LayerGraph]:
 def _fusion(state: PipelineState) -> None:
     if state.options.attention and applies_to(state.forward, state.backward is not None):
         state.forward = fuse_attention(state.forward)
-    if epilogue_applies(state.config):
+    if epilogue_applies(state.config, state.fp32_gemm):
         state.forward = fuse_epilogues(state.forward)
         if state.backward is None:
             state.forward = pack_parameters(state.forward, state.options.float32_masters)
@@ -202,6 +202,11 @@ def _layout(state: PipelineState) -> None:
     state.forward, state.backward = apply_plan(state.forward, state.backward, plan)
 
 
+def _gemm_library(state: PipelineState) -> None:
+    if state.config.target == "cpu" and state.config.dtype == "float32":
+        state.fp32_gemm = resolve_fp32_gemm(state.options.fp32_gemm, state.config, state.options.mode)
+
+
 def _codegen(state: PipelineState) -> None:
     if state.config.target == "cuda":  # nvcc + cuBLAS (docs/cuda.md); B, J, K stay runtime sizes
         if state.options.instrument:
@@ -210,8 +215,7 @@ def _codegen(state: PipelineState) -> None:
     else:
         if state.config.dtype == "bfloat16":
             require_bf16_isa()
-        library = resolve_fp32_gemm(state.options.fp32_gemm, state.config, state.options.mode)
-        state.fp32_gemm = library if state.config.dtype == "float32" else None
+        library = state.fp32_gemm or "mkl"  # the float32 library; other dtypes' GEMMs ignore it
         state.sources = {p: generate_cpu(g, state.options.instrument, library) for p, g in _graphs(state).items()}
 
 
@@ -287,14 +291,16 @@ PASSES = (
     Pass("autodiff", "derive the backward SDFG; mark what forward saves; casts before float32 inputs of "
          "bf16 GEMMs", _FORWARD, _GRAPHS, _autodiff,
          lambda o: o.mode == "train"),
+    Pass("gemm-library", "choose the float32 CPU builds' GEMM library (inference builds: the one measured "
+         "faster on this machine)", frozenset({"config"}), frozenset({"fp32_gemm"}), _gemm_library),
     Pass("fusion", "fuse attention (forward-only CPU builds), move biases and inference activations into "
-         "GEMM epilogues and read parameters from packed copies in inference (bf16 CPU builds), then group "
-         "element-wise and normalization operators into row kernels", _FORWARD, _GRAPHS,
-         _fusion, lambda o: o.fuse),
+         "GEMM epilogues and read parameters from packed copies in inference (builds on oneDNN's GEMMs), "
+         "then group element-wise and normalization operators into row kernels", _FORWARD | {"fp32_gemm"},
+         _GRAPHS, _fusion, lambda o: o.fuse),
     Pass("layout", "apply a layout plan (given, or the dtype's default): tensor strides, explicit transposes, "
          "vectorized letters", _FORWARD, _GRAPHS, _layout),
-    Pass("codegen", "generate C++ (CPU) or CUDA for each graph, choosing the float32 GEMM library",
-         _FORWARD, frozenset({"sources", "fp32_gemm"}), _codegen),
+    Pass("codegen", "generate C++ (CPU) or CUDA for each graph", _FORWARD | {"fp32_gemm"},
+         frozenset({"sources"}), _codegen),
     Pass("build", "compile and link against BLAS / cuBLAS, through the build cache",
          frozenset({"sources", "fp32_gemm"}), frozenset({"built"}), _build),
     Pass("load", "load the libraries behind the torch custom operators",
@@ -349,12 +355,14 @@ class Pipeline:
 
 
 def compile_graphs(config: "EncoderConfig | str | os.PathLike", fuse_ops: bool = False, layout=None,
-                   mode: str = "train", attention: bool = True, float32_masters: bool = False):
+                   mode: str = "train", attention: bool = True, float32_masters: bool = False,
+                   fp32_gemm: str = "auto"):
     """The (forward, backward) :class:`~substation.ir.graph.LayerGraph` pair after the passes up to
-    ``layout`` (fusion with ``fuse_ops``; ``layout``, ``mode``, ``attention`` and ``float32_masters`` as
-    :class:`PipelineOptions`; backward is None in mode ``eval``)."""
+    ``layout`` (fusion with ``fuse_ops``; ``layout``, ``mode``, ``attention``, ``float32_masters`` and
+    ``fp32_gemm`` as :class:`PipelineOptions`: float32 inference graphs on oneDNN's GEMMs take their
+    biases and activations in GEMM epilogues; backward is None in mode ``eval``)."""
     options = PipelineOptions(fuse=fuse_ops, layout=layout, mode=mode, attention=attention,
-                              float32_masters=float32_masters)
+                              float32_masters=float32_masters, fp32_gemm=fp32_gemm)
     state = Pipeline().run(config, options, until="layout")
     return state.forward, state.backward
 

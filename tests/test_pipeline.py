@@ -10,13 +10,14 @@ from substation.pipeline import PASSES, Pass, Pipeline, PipelineOptions, compile
 
 
 def test_the_passes_in_order_and_their_contracts():
-    assert Pipeline().names == ["graph", "precision", "autodiff", "fusion", "layout", "codegen", "build", "load"]
+    assert Pipeline().names == ["graph", "precision", "autodiff", "gemm-library", "fusion", "layout", "codegen", "build",
+                                "load"]
     have = {"config"}
     for p in PASSES:
         assert p.needs <= have, p.name          # each pass needs only what earlier passes changed
         have |= p.changes
         assert p.description
-    assert have >= {"forward", "backward", "sources", "built", "compiled"}
+    assert have >= {"forward", "backward", "fp32_gemm", "sources", "built", "compiled"}
 
 
 def test_options_are_typed_and_round_trip_through_json():
@@ -35,7 +36,7 @@ def test_options_are_typed_and_round_trip_through_json():
 def test_run_until_and_progress_report_every_pass():
     seen = []
     state = Pipeline().run("tiny", PipelineOptions(fuse=True), until="layout", progress=seen.append)
-    assert seen == ["graph", "precision", "autodiff", "fusion", "layout"]
+    assert seen == ["graph", "precision", "autodiff", "gemm-library", "fusion", "layout"]
     assert state.sources is None and state.compiled is None
     fused = sum(op.kind == "fused" for op in state.forward.operators())
     assert fused >= 3

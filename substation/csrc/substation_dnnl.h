@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "substation_blas.h"
+#include "substation_cpu.h"
 #include "substation_packed.h"
 
 namespace ss {
@@ -157,8 +158,9 @@ inline std::vector<int64_t> layout_signature(const dnnl::memory::desc& md) {
 // 6.1-7.1e-7, at ~3% of the time (256: MKL's error, but most of oneDNN's lead over MKL gone).
 constexpr int64_t kFloatChunk = 512;
 // Below this many rows a float32 call goes to ss::gemm (MKL's SGEMM, its threads split by columns,
-// substation_blas.h): all-MiniLM-L6-v2 at 1 x 24 tokens, 2 threads, Zen 4, whole model interleaved:
-// 7.66 ms with every GEMM there against 8.25 with the calls of k <= kFloatChunk on oneDNN.
+// substation_blas.h), its epilogue applied after it: all-MiniLM-L6-v2 at 1 x 24 tokens, 2 threads,
+// Zen 4, whole model interleaved: 7.66 ms with every GEMM there against 8.25 with the calls of
+// k <= kFloatChunk on oneDNN.
 constexpr int64_t kFloatMinRows = 256;
 
 template <typename T, typename TB>
@@ -166,14 +168,43 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
                 const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
                 const GemmBias& bias, GemmActivation activation, bool b_parameter, bool accumulate);
 
+// The epilogue of a float32 product computed without one (MKL): C[m, n] = activation(C + bias).
+inline void float_epilogue(int64_t m, int64_t n, float* c, int64_t ldc, const GemmBias& bias, GemmActivation activation) {
+  const float* b = static_cast<const float*>(bias.data);
+#pragma omp parallel for if (m * n >= kParallelMinElements)
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = c + i * ldc;
+    if (b) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) row[j] += b[i * bias.m + j * bias.n];
+    }
+    switch (activation) {
+      case GemmActivation::gelu:
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = gelu(row[j]);
+        break;
+      case GemmActivation::gelu_tanh:
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = gelu_tanh(row[j]);
+        break;
+      case GemmActivation::relu:
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = std::max(row[j], 0.0f);
+        break;
+      case GemmActivation::none:
+        break;
+    }
+  }
+}
+
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
 // dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; T (the operands' and the
 // bias's element type) is bf16_t or float; C is float32 when c_f32, else of type T. A bias (bias.data
 // set) needs alpha 1 (oneDNN scales after the bias). b_parameter (B a layer parameter, no batch
 // letters): B is read from its packed copy in packed_weight_cache(), made on the first call with that
-// content. TB, B's element type, is T, or float with bf16_t operands: float32 master weights, rounded to
-// bf16 as they are packed (b_parameter must be set). Returns 0, or 1 with last_error() set when oneDNN
-// refuses the call.
+// content (float32: one copy per chunk of k). TB, B's element type, is T, or float with bf16_t
+// operands: float32 master weights, rounded to bf16 as they are packed (b_parameter must be set).
+// Returns 0, or 1 with last_error() set when oneDNN refuses the call.
 template <typename T, typename TB = T>
 inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
                   int64_t lda, const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
@@ -187,22 +218,33 @@ inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
       return 1;
     }
   }
-  const bool plain = std::is_same<T, float>::value && batch.count == 0 && !bias.data &&
-                     activation == GemmActivation::none && !b_parameter;
   if constexpr (std::is_same<T, float>::value) {
-    if (plain && m < kFloatMinRows) {
-      gemm<float>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, static_cast<float*>(c), ldc);
+    if (batch.count == 0) {
+      if (bias.data && alpha != 1.0f) {
+        last_error() = "matmul: a bias epilogue needs alpha = 1";
+        return 1;
+      }
+      float* out = static_cast<float*>(c);
+      if (m < kFloatMinRows) {
+        gemm<float>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, out, ldc);
+        if (bias.data || activation != GemmActivation::none) float_epilogue(m, n, out, ldc, bias, activation);
+        return 0;
+      }
+      // C = the sum over chunks (oneDNN's sum post-op adds C): the bias with the first, the activation
+      // after the last
+      for (int64_t k0 = 0; k0 < k; k0 += kFloatChunk) {
+        const bool last = k0 + kFloatChunk >= k;
+        if (matmul_once<T, TB>(trans_a, trans_b, m, n, std::min(kFloatChunk, k - k0), alpha,
+                               a + (trans_a ? k0 * lda : k0), lda, b + (trans_b ? k0 : k0 * ldb), ldb, c, ldc, c_f32,
+                               batch, k0 == 0 ? bias : GemmBias{}, last ? activation : GemmActivation::none,
+                               b_parameter, k0 > 0) != 0)
+          return 1;
+      }
       return 0;
     }
   }
-  if (!plain || k <= kFloatChunk)
-    return matmul_once<T, TB>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc, c_f32, batch, bias, activation,
-                          b_parameter, false);
-  for (int64_t k0 = 0; k0 < k; k0 += kFloatChunk)  // C = sum over chunks (oneDNN's sum post-op adds C)
-    if (matmul_once<T, TB>(trans_a, trans_b, m, n, std::min(kFloatChunk, k - k0), alpha, a + (trans_a ? k0 * lda : k0), lda,
-                       b + (trans_b ? k0 : k0 * ldb), ldb, c, ldc, c_f32, batch, bias, activation, false, k0 > 0) != 0)
-      return 1;
-  return 0;
+  return matmul_once<T, TB>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, c, ldc, c_f32, batch, bias, activation,
+                            b_parameter, false);
 }
 
 // One oneDNN call of matmul(); accumulate: C += the product (oneDNN's sum post-op) instead of C =.
@@ -270,13 +312,13 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
         dnnl::post_ops ops;
         if (alpha != 1.0f)  // the scale on the float32 accumulators, before rounding to bf16
           ops.append_eltwise(dnnl::algorithm::eltwise_linear, alpha, 0.0f);
+        if (accumulate) ops.append_sum(1.0f);  // after the scale, before the activation: C = f(alpha A B + C)
         if (activation != GemmActivation::none) {
           const dnnl::algorithm fn = activation == GemmActivation::gelu        ? dnnl::algorithm::eltwise_gelu_erf
                                      : activation == GemmActivation::gelu_tanh ? dnnl::algorithm::eltwise_gelu_tanh
                                                                                : dnnl::algorithm::eltwise_relu;
           ops.append_eltwise(fn, 0.0f, 0.0f);
         }
-        if (accumulate) ops.append_sum(1.0f);  // after the scale: C = alpha * A B + C
         if (ops.len() > 0) attr.set_post_ops(ops);
         const memory::desc bias_md = with_bias ? memory::desc(biasd, dt, biass) : memory::desc();
         // a parameter: the layout the primitive prefers (format any), filled by a reorder per content

@@ -7,8 +7,9 @@
 #include <cstdint>
 #include <vector>
 
-// Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] B[k x n] calls (float or
-// double, all threads); one untimed call comes first.
+// Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] W[n x k]^T calls (float or
+// double, all threads; W stored as a PyTorch Linear weight, as the layers' GEMMs read theirs); one
+// untimed call comes first.
 extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats,
                                                 int32_t use_double) {
   double best = 1e300;
@@ -18,9 +19,9 @@ extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k,
     for (int32_t r = 0; r < repeats + 1; ++r) {
       const double t0 = omp_get_wtime();
       if constexpr (sizeof(T) == 8)
-        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0, a.data(), k, b.data(), n, 0.0, c.data(), n);
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0, a.data(), k, b.data(), k, 0.0, c.data(), n);
       else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
       if (r > 0) best = std::min(best, omp_get_wtime() - t0);
     }
   };

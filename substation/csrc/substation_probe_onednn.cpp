@@ -5,15 +5,18 @@
 
 namespace {
 
-// Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] B[k x n] calls of element type T in
-// and out; one untimed call (which creates the primitive) comes first. Negative: oneDNN refused the call.
+// Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] W[n x k]^T calls of element type T
+// in and out (W stored as a PyTorch Linear weight); packed: W read from its packed copy, as inference
+// builds read their weights (b_parameter: each call digests W and finds the copy made by the first).
+// One untimed call (which creates the primitive and the copy) comes first. Negative: oneDNN refused the call.
 template <typename T>
-double matmul_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats, T a_value, T b_value) {
+double matmul_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats, int32_t packed, T a_value, T b_value) {
   std::vector<T> a((size_t)(m * k), a_value), b((size_t)(k * n), b_value), c((size_t)(m * n));
   double best = 1e300;
   for (int32_t r = 0; r < repeats + 1; ++r) {
     const double t0 = omp_get_wtime();
-    if (ss::matmul<T>(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, c.data(), n, false, ss::GemmBatch{}) != 0)
+    if (ss::matmul<T>(false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, c.data(), n, false, ss::GemmBatch{},
+                      ss::GemmBias{}, ss::GemmActivation::none, packed != 0) != 0)
       return -1.0;
     if (r > 0) best = std::min(best, omp_get_wtime() - t0);
   }
@@ -22,10 +25,12 @@ double matmul_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats, T a_valu
 
 }  // namespace
 
-extern "C" double substation_probe_matmul_bf16_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats) {
-  return matmul_seconds<ss::bf16_t>(m, n, k, repeats, ss::float_to_bf16(1.0f / 3), ss::float_to_bf16(2.0f / 3));
+extern "C" double substation_probe_matmul_bf16_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats,
+                                                       int32_t packed) {
+  return matmul_seconds<ss::bf16_t>(m, n, k, repeats, packed, ss::float_to_bf16(1.0f / 3), ss::float_to_bf16(2.0f / 3));
 }
 
-extern "C" double substation_probe_matmul_f32_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats) {
-  return matmul_seconds<float>(m, n, k, repeats, 1.0f / 3, 2.0f / 3);
+extern "C" double substation_probe_matmul_f32_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats,
+                                                      int32_t packed) {
+  return matmul_seconds<float>(m, n, k, repeats, packed, 1.0f / 3, 2.0f / 3);
 }

@@ -10,7 +10,8 @@ chunked inner sums of ``ss::matmul<float>`` do not reach GEMMs whose k is the to
 The measurement: a discarded round, then :data:`ROUNDS` rounds, each timing both libraries (the
 first alternating) on the layer's token-wise GEMMs at :data:`ROWS` token rows (Q, K, V and out_proj:
 I x I, linear1: U x I, linear2: I x U), the fastest of two calls per GEMM
-(:func:`~substation.perf.probes.gemm_seconds`), summed over the GEMMs. oneDNN is chosen only when it
+(:func:`~substation.perf.probes.gemm_seconds`: the weights stored as PyTorch stores them, oneDNN's
+read from their packed copies as inference builds read them), summed over the GEMMs. oneDNN is chosen only when it
 won significantly many rounds (one-sided sign test at 5%, :func:`~substation.perf.timing.sign_test_wins`)
 and its median sum is at least :data:`MIN_GAIN` below MKL's: a small or inconsistent lead keeps MKL.
 The choice is recorded per CPU, OpenMP thread count, library versions and (I, U) in
@@ -52,7 +53,8 @@ ROUNDS = 9
 MIN_GAIN = 0.03
 #: The environment variable that fixes float32 inference builds' library under ``"auto"``.
 ENVIRONMENT = "SUBSTATION_FP32_GEMM"
-RECORD_FORMAT = "substation-fp32-gemm/1"
+#: Records of another format (measured on other calls) are measured again.
+RECORD_FORMAT = "substation-fp32-gemm/2"
 
 
 def gemm_label(library: str | None) -> str:
@@ -116,11 +118,11 @@ def _record_path(hidden: int, ffn: int, threads: int) -> str:
 def _measure(hidden: int, ffn: int) -> dict:
     shapes = _shapes(hidden, ffn)
     for lib in FP32_GEMM_LIBRARIES:  # a first round, discarded: libraries and threads start up
-        probes.gemm_seconds(shapes, lib, repeats=1)
+        probes.gemm_seconds(shapes, lib, repeats=1, packed_weights=True)
     seconds = {lib: [] for lib in FP32_GEMM_LIBRARIES}
     for r in range(ROUNDS):
         for lib in FP32_GEMM_LIBRARIES[r % 2:] + FP32_GEMM_LIBRARIES[:r % 2]:
-            seconds[lib].append(sum(probes.gemm_seconds(shapes, lib, repeats=2)))
+            seconds[lib].append(sum(probes.gemm_seconds(shapes, lib, repeats=2, packed_weights=True)))
     wins = sum(o < m for o, m in zip(seconds["onednn"], seconds["mkl"]))
     median = {lib: statistics.median(s) for lib, s in seconds.items()}
     faster = wins >= sign_test_wins(ROUNDS) and median["onednn"] <= (1 - MIN_GAIN) * median["mkl"]

@@ -105,7 +105,7 @@ def _onednn_probe_library():
         lib = ctypes.CDLL(build_library(f.read(), "probe-onednn", with_onednn=True).path)
     for name in ("substation_probe_matmul_bf16_seconds", "substation_probe_matmul_f32_seconds"):
         getattr(lib, name).restype = ctypes.c_double
-        getattr(lib, name).argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32]
+        getattr(lib, name).argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
     return lib
 
 
@@ -126,12 +126,16 @@ def openmp_threads() -> int:
     return int(_probe_library().omp_get_max_threads())
 
 
-def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = "float32") -> list[float]:
+def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = "float32",
+                 packed_weights: bool = False) -> list[float]:
     """Seconds of each of ``shapes`` (``(m, n, k)`` tuples): the fastest of ``repeats`` row-major
-    ``C[m, n] = A[m, k] B[k, n]`` calls of the library the generated code calls, on its OpenMP threads,
-    after one untimed call. ``float32``: MKL's ``cblas_sgemm`` (``fp32_gemm="mkl"``) or oneDNN's float32
-    matmul as builds call it (``"onednn"``: ``ss::matmul<float>``, k summed in chunks of 512, fewer than
-    256 rows on MKL); ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16 in and out).
+    ``C[m, n] = A[m, k] W[n, k]^T`` calls (W stored as a PyTorch ``Linear`` weight, as the layers store
+    theirs) of the library the generated code calls, on its OpenMP threads, after one untimed call.
+    ``float32``: MKL's ``cblas_sgemm`` (``fp32_gemm="mkl"``) or oneDNN's float32 matmul as builds call
+    it (``"onednn"``: ``ss::matmul<float>``, k summed in chunks of 512, fewer than 256 rows on MKL);
+    ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16 in and out).
+    ``packed_weights`` (oneDNN's calls only): W is read from its packed copy, as inference builds read
+    their weights (each call digests W; the untimed call packs it).
 
     Raises:
         ValueError: another dtype or ``fp32_gemm`` (a library, not ``"auto"``), no shapes, a size < 1 or
@@ -147,7 +151,7 @@ def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = 
     if dtype == "bfloat16" or (dtype == "float32" and fp32_gemm == "onednn"):
         probe = getattr(_onednn_probe_library(), f"substation_probe_matmul_{'bf16' if dtype == 'bfloat16' else 'f32'}"
                                                  "_seconds")
-        seconds = [probe(m, n, k, repeats) for m, n, k in shapes]
+        seconds = [probe(m, n, k, repeats, int(packed_weights)) for m, n, k in shapes]
         if min(seconds) < 0:
             raise RuntimeError(f"oneDNN refused a {dtype} matmul of the shapes {shapes}")
         return seconds

@@ -39,8 +39,9 @@ def links_onednn(dtype: str, fp32_gemm: str) -> bool:
     return dtype == "bfloat16" or (dtype == "float32" and fp32_gemm == "onednn")
 
 
-#: Rows of the other factor (B x J tokens) from which a bf16 ``packed_parameter`` GEMM reads the packed
-#: copy; below, it reads the parameter as given. Each call digests the parameter (one more pass over it):
+#: Rows of the other factor (B x J tokens) from which a ``packed_parameter`` GEMM (bf16, or float32 on
+#: oneDNN) reads the packed copy; below, it reads the parameter as given. Each call digests the parameter
+#: (one more pass over it):
 #: packed was even with plain at 24-64 rows, 3-8% slower at 128-256, 15-60% faster at 2048 (MiniLM's
 #: shapes, AMX).
 PACKED_PARAMETER_ROWS = 256
