@@ -15,6 +15,7 @@ pytest.importorskip("sentence_transformers")
 from substation.backends.cpu.build import cpu_flags  # noqa: E402
 from substation.cli import main  # noqa: E402
 from substation.perf import bench_model, bench_model_eval as ev  # noqa: E402
+from substation.perf.gemm_choice import gemm_label  # noqa: E402
 
 SHAPES = ((2, 16), (1, 8))
 ROUNDS = 2
@@ -68,7 +69,7 @@ def test_bench_model_eval_all_implementations():
     assert "speedup_vs_hf_eager" in text and "[1x8]" in text and r["machine"]["cpu"] in text
     # the inference builds' library: what fp32_gemm="auto" means in the suite (tests/conftest.py)
     library = os.environ["SUBSTATION_FP32_GEMM"]
-    assert r["fp32_gemm"] == library and f"float32 ({library} GEMMs); machine: " in text
+    assert r["fp32_gemm"] == library and f"float32{gemm_label(library)}; machine: " in text
 
 
 def test_bench_model_eval_without_ort_cli(tmp_path, monkeypatch, capsys):
