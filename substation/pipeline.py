@@ -59,8 +59,9 @@ class PipelineOptions:
         fp32_gemm: the library of float32 CPU builds' token-wise contractions (other builds ignore it):
             ``"auto"`` (default: inference builds the library measured faster on this machine, training
             builds MKL; :mod:`substation.perf.gemm_choice`), ``"mkl"`` (``cblas_sgemm``) or ``"onednn"``
-            (``ss::matmul<float>``: 1.10-1.24x faster layers on AMD Zen 4, with up to 2.2-3.5x PyTorch
-            float32's error on weight gradients; docs/toolchain.md), one of
+            (``ss::matmul<float>``: 1.18-1.22x faster GEMMs on AMD Zen 4, and in inference builds the
+            bias and GELU epilogues and packed weights; up to 2.2-3.5x PyTorch float32's error on weight
+            gradients; docs/toolchain.md), one of
             :data:`~substation.backends.cpu.contraction.FP32_GEMM_CHOICES`.
         float32_masters: bfloat16 CPU builds that a float32 layer runs under autocast: its parameters are
             float32 master weights. The inference build then takes the weights its GEMMs read from packed
