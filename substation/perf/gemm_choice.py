@@ -11,9 +11,10 @@ The measurement: a discarded round, then :data:`ROUNDS` rounds, each timing both
 first alternating) on the layer's token-wise GEMMs at :data:`ROWS` token rows (Q, K, V and out_proj:
 I x I, linear1: U x I, linear2: I x U), the fastest of two calls per GEMM
 (:func:`~substation.perf.probes.gemm_seconds`: the weights stored as PyTorch stores them, oneDNN's
-read from their packed copies as inference builds read them), summed over the GEMMs. oneDNN is chosen only when it
-won significantly many rounds (one-sided sign test at 5%, :func:`~substation.perf.timing.sign_test_wins`)
-and its median sum is at least :data:`MIN_GAIN` below MKL's: a small or inconsistent lead keeps MKL.
+read from their packed copies as inference builds read them), summed over the GEMMs. oneDNN is
+chosen only when it won significantly many rounds (one-sided sign test at 5%,
+:func:`~substation.perf.timing.sign_test_wins`) and its median sum is at least :data:`MIN_GAIN` below
+MKL's: a small or inconsistent lead keeps MKL.
 The choice is recorded per CPU, OpenMP thread count, library versions and (I, U) in
 ``<build cache>/tune/fp32-gemm-<key>.json`` (written atomically) and measured once, by one process at
 a time; ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes the inference builds'
