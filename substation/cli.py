@@ -229,14 +229,14 @@ def cmd_report(args) -> int:
             print(f"substation: error: --kernels lists the kernels only; it does not take {', '.join(extra)}",
                   file=sys.stderr)
             return 2
-        print(format_kernels(analyze(args.config, optimized=not args.no_fuse, mode=mode)))
+        print(format_kernels(analyze(args.config, optimized=not args.no_fuse, mode=mode, fp32_gemm=args.fp32_gemm)))
         return 0
     if args.no_fuse:
         print("substation: error: --no-fuse goes with --kernels (--optimized chooses the fused graphs otherwise)",
               file=sys.stderr)
         return 2
     try:
-        analysis = analyze(args.config, optimized=args.optimized, mode=mode)
+        analysis = analyze(args.config, optimized=args.optimized, mode=mode, fp32_gemm=args.fp32_gemm)
     except NotImplementedError as e:
         print(f"substation: error: --optimized: {e}", file=sys.stderr)
         return 2
@@ -244,8 +244,8 @@ def cmd_report(args) -> int:
         if args.repeats < 1:
             print(f"substation: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
             return 2
-        analysis = analysis.with_measurement(measure(analysis.config, repeats=args.repeats,
-                                                     optimized=args.optimized, mode=mode))
+        analysis = analysis.with_measurement(measure(analysis.config, repeats=args.repeats, optimized=args.optimized,
+                                                     mode=mode, fp32_gemm=analysis.fp32_gemm or "auto"))
     print(format_report(analysis))
     return _write_outputs(args, analysis, write_json, plot_report)
 
@@ -519,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fuse", action="store_true", help="with --kernels: the unfused graphs (one kernel per operator)")
     p.add_argument("--mode", choices=("train", "eval"), default="train",
                    help="train: forward and backward graphs (default); eval: the inference build's forward graph")
+    _add_fp32_gemm(p)
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("bench", help="time forward/backward against PyTorch eager and torch.compile (or --kernels)")
     p.add_argument("config", help="YAML config path or bundled name (e.g. bert-base)")

@@ -251,7 +251,7 @@ def test_fused_operator_counts_members_flop_and_own_bytes():
 
 def test_optimized_reduction_with_a_fusion_pass(monkeypatch, tmp_path):
     fused = _refuse(_graphs("tiny")[0], BDRLN, "bdrln2"), _graphs("tiny")[1]
-    monkeypatch.setattr(analysis, "optimized_graphs", lambda config, mode: fused)
+    monkeypatch.setattr(analysis, "optimized_graphs", lambda config, mode, fp32_gemm: fused)
     a = analyze("tiny", optimized=True)
     plain = _analysis("tiny")
     s = a.sizes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from substation.perf import bench, bench_report, timing
+from substation.perf.analysis import analyze
 from substation.cli import main
 from substation.config import load_config
 
@@ -58,11 +59,10 @@ def check_bench_json(r, impls, repeats, b, j):
     check_limit(r["limit"], load_config(r["config"]), {n: med[n]["forward_backward"] for n in impls})
 
 
-def check_limit(lim, cfg, measured):
-    """The limit is the analysis' counts at the rates measured in the same run."""
-    from substation.perf.analysis import analyze
-
-    an = analyze(cfg, optimized=True)
+def check_limit(lim, cfg, measured, fp32_gemm="auto"):
+    """The limit is the analysis' counts (of the graphs of the library timed) at the rates measured in
+    the same run."""
+    an = analyze(cfg, optimized=True, fp32_gemm=fp32_gemm)
     assert set(lim) == LIMIT_KEYS
     assert lim["contraction_flop"] == an.total("total", "TC")["flop"] > 0
     assert lim["memory_bound_bytes"] == an.total("total", "SN")["bytes"] + an.total("total", "EW")["bytes"] > 0
@@ -149,8 +149,11 @@ def test_bench_float32_on_onednn_gemms(tmp_path, capsys):
     assert r["fp32_gemm"] == "onednn" and r["dtype"] == "float32"
     assert r["max_rel_error_vs_eager"] < 1e-5
     med = r["median_seconds"]
-    check_limit(r["limit"], load_config(r["config"]), {n: med[n]["forward_backward"] for n in med})
+    check_limit(r["limit"], load_config(r["config"]), {n: med[n]["forward_backward"] for n in med}, "onednn")
     assert "float32 (onednn GEMMs, MKL under 256 token rows)" in capsys.readouterr().out
+    # on oneDNN the forward's biases are GEMM epilogues: fewer memory-bound bytes than MKL's graphs
+    mkl = analyze(load_config(r["config"]), optimized=True, fp32_gemm="mkl")
+    assert r["limit"]["memory_bound_bytes"] < mkl.total("total", "SN")["bytes"] + mkl.total("total", "EW")["bytes"]
     assert main(["bench", "tiny", "--compare-layouts", "--fp32-gemm", "onednn"]) == 2
     assert "--fp32-gemm applies to" in capsys.readouterr().err
 

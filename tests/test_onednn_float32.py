@@ -139,3 +139,35 @@ def test_every_onednn_float32_call_runs_a_jit_kernel():
     assert len(matmuls) == 2 * 6, [c[4] for c in matmuls]
     assert not [c for c in calls if c[4].startswith("ref")], [c[3:5] for c in calls]
     assert sum(c[3] == "reorder" for c in calls) == len(matmuls)  # one packed copy per chunk of a weight
+
+
+def test_release_frees_the_float32_packed_copies(wide_layers):
+    """The float32 oneDNN library exports the cache's release and the per-thread hold, as bf16 ones do."""
+    from substation.runtime import release_packed_parameters
+    onednn, _, _ = wide_layers
+    lib = onednn.compiled.forward_only().forward.lib
+    assert hasattr(lib, "substation_release_packed_parameters") and hasattr(lib, "substation_hold_parameters")
+    with torch.inference_mode():
+        onednn(torch.randn(4, 64, WIDE["hidden_size"]))  # 256 rows: every weight packed
+    i, u = WIDE["hidden_size"], WIDE["ffn_size"]
+    assert release_packed_parameters() >= 4 * (4 * i * i + 2 * i * u)  # float32 copies, oneDNN's padding on top
+    assert release_packed_parameters() == 0
+
+
+def test_report_counts_the_graphs_of_the_library_asked_for(tmp_path, capsys):
+    """``report --fp32-gemm``: the graphs of that library, named in the first line and the JSON."""
+    import json
+
+    from substation.cli import main
+    tables = {}
+    for library in ("mkl", "onednn"):
+        out = tmp_path / f"{library}.json"
+        assert main(["report", "minilm-l6", "--mode", "eval", "--optimized", "--fp32-gemm", library,
+                     "--json", str(out)]) == 0
+        tables[library] = capsys.readouterr().out
+        report = json.loads(out.read_text())
+        assert report["fp32_gemm"] == library
+        assert report["kernels"]["forward"]["EW"] == (1 if library == "mkl" else 0)  # BA, or GELU in linear1
+    assert "float32 (4 bytes) (mkl GEMMs) post-LN" in tables["mkl"].splitlines()[0]
+    assert "(onednn GEMMs, MKL under 256 token rows)" in tables["onednn"].splitlines()[0]
+    assert "\nBA " in tables["mkl"] and "\nBA " not in tables["onednn"]

@@ -73,10 +73,10 @@ inline LruCache<MatmulEntry>& matmul_cache() {
   return cache;
 }
 
-// Packed bf16 parameters (substation_packed.h) in the layout a primitive reads them in, at most
-// kPackedParameterBytes.
+// Packed parameters (substation_packed.h) in the layout a primitive reads them in, at most
+// packed_parameter_bytes().
 inline LruCache<dnnl::memory>& packed_weight_cache() {
-  static LruCache<dnnl::memory> cache(kPackedParameterBytes);
+  static LruCache<dnnl::memory> cache(packed_parameter_bytes());
   return cache;
 }
 

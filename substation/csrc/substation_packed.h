@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>  // sysconf
+
 #include "substation_cpu.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512DQ__) || !defined(__AVX512BW__)
@@ -131,7 +133,17 @@ class LruCache {
   size_t capacity_, cost_ = 0;
 };
 
-// Packed parameters kept at most (bytes), over every build of the process.
-constexpr size_t kPackedParameterBytes = size_t(1) << 30;
+// Packed parameters kept at most (bytes), over every build of the process: 1 GiB, or an eighth of the
+// machine's memory where that is more. A model sweeps its layers' weights in order on every call, so
+// the least recently used copy is always the next one needed: weights beyond the capacity are packed
+// again on every call (a float32 BERT-large's 1.2 GB of GEMM weights did not fit in 1 GiB).
+inline size_t packed_parameter_bytes() {
+  static const size_t bytes = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    const size_t memory = pages > 0 && page > 0 ? size_t(pages) * size_t(page) : 0;
+    return std::max(size_t(1) << 30, memory / 8);
+  }();
+  return bytes;
+}
 
 }  // namespace ss

@@ -51,11 +51,12 @@ __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
     "OperatorCount", "Measurement", "Analysis",
     "access_elements", "kind_flop", "operator_count", "count_graph", "master_weight_casts", "optimized_graphs",
-    "analyze",
+    "analysed_fp32_gemm", "analyze",
     "measure",
 ]
 from ..layer import EncoderLayer
 from ..pipeline import compile_graphs, compile_layer
+from .gemm_choice import resolve_fp32_gemm
 from .probes import CopyTimer
 from .timing import Candidate, time_step
 
@@ -273,11 +274,24 @@ def _counts(graphs, sizes) -> list[OperatorCount]:
 
 
 # -- graphs --------------------------------------------------------------------------------------
-def optimized_graphs(config: EncoderConfig, mode: str = "train"):
+def optimized_graphs(config: EncoderConfig, mode: str = "train", fp32_gemm: str = "auto"):
     """The (forward, backward) graphs after the pipeline's optimization passes (fusion), PyTorch's
     layouts; backward None in mode ``eval``. A bfloat16 build is counted as autocast runs it, on float32
-    master weights (``float32_masters``: :func:`master_weight_casts` counts what is still cast per call)."""
-    return compile_graphs(load_config(config), fuse_ops=True, mode=mode, float32_masters=True)
+    master weights (``float32_masters``: :func:`master_weight_casts` counts what is still cast per call);
+    a float32 CPU build as it runs on ``fp32_gemm`` (on oneDNN: epilogues, packed weights in inference)."""
+    return compile_graphs(load_config(config), fuse_ops=True, mode=mode, float32_masters=True, fp32_gemm=fp32_gemm)
+
+
+def analysed_fp32_gemm(config: EncoderConfig, mode: str, fp32_gemm: str = "auto") -> str | None:
+    """The library whose graphs :func:`analyze` counts for ``fp32_gemm`` (``"auto"`` resolved as a build
+    of ``config`` in ``mode`` resolves it: :func:`~substation.perf.gemm_choice.resolve_fp32_gemm`); None
+    for configs without float32 CPU GEMMs.
+
+    Raises:
+        ValueError: an unknown ``fp32_gemm`` or a bad ``$SUBSTATION_FP32_GEMM``.
+    """
+    library = resolve_fp32_gemm(fp32_gemm, config, mode)
+    return library if config.dtype == "float32" and config.target == "cpu" else None
 
 
 # -- analysis ------------------------------------------------------------------------------------
@@ -317,6 +331,8 @@ class Analysis:
         measurement: the :class:`Measurement`, when measured.
         mode: ``train`` (forward and backward graphs) or ``eval`` (the inference build's forward
             graph alone).
+        fp32_gemm: the GEMM library whose float32 CPU graphs were counted (``"mkl"`` or ``"onednn"``);
+            None for other configs.
     """
 
     config: EncoderConfig
@@ -326,6 +342,7 @@ class Analysis:
     unfused_bytes: int | None = None
     measurement: Measurement | None = None
     mode: str = "train"
+    fp32_gemm: str | None = None
 
     # aggregation -------------------------------------------------------------------------------
     def select(self, phase: str = "total", op_class: str = "all") -> list[OperatorCount]:
@@ -407,7 +424,7 @@ class Analysis:
         data = {
             "config": self.config.to_dict(), "sizes": {k: v for k, v in self.sizes.items() if k != "T"},
             "dtype": self.config.dtype, "itemsize": self.config.itemsize, "optimized": self.optimized,
-            "mode": self.mode,
+            "mode": self.mode, "fp32_gemm": self.fp32_gemm,
             "operators": ops, "totals": self.totals(), "kernels": self.kernels(), "shares": self.shares(),
             "contraction_flop": self.contraction_flop(),
             "paper": {"class_shares": PAPER_CLASS_SHARES, "max_data_movement_reduction_pct": PAPER_MAX_REDUCTION_PCT,
@@ -427,33 +444,39 @@ def _pct(part, whole) -> float:
     return 100.0 * part / whole if whole else 0.0
 
 
-def analyze(config, optimized: bool = False, mode: str = "train") -> Analysis:
+def analyze(config, optimized: bool = False, mode: str = "train", fp32_gemm: str = "auto") -> Analysis:
     """Count the forward and backward graphs of ``config`` (a config, a YAML path or a bundled name);
     ``mode="eval"``: the forward graph of the inference build alone (no dropout, nothing saved).
 
     With ``optimized``, counts the fused graphs and also the unfused ones, for
-    :attr:`Analysis.data_movement_reduction_pct`. Needs no compilation.
+    :attr:`Analysis.data_movement_reduction_pct`; a float32 CPU config's fused graphs are those of the
+    GEMM library ``fp32_gemm`` resolves to (:func:`analysed_fp32_gemm`, recorded in
+    :attr:`Analysis.fp32_gemm`: oneDNN's builds take biases and activations in GEMM epilogues). Needs no
+    compilation (``"auto"`` may measure the library choice once, :mod:`~substation.perf.gemm_choice`).
 
     Raises:
         ConfigError, FileNotFoundError: a bad config.
         NotImplementedError: ``optimized`` while the pipeline has no optimization stage.
-        ValueError: an operator kind without a flop rule.
+        ValueError: an operator kind without a flop rule; an unknown ``fp32_gemm``.
     """
 
     config = load_config(config)
     sizes = config.sizes()
-    unfused_ops = _counts(compile_graphs(config, mode=mode), sizes)
+    library = analysed_fp32_gemm(config, mode, fp32_gemm)
+    unfused_ops = _counts(compile_graphs(config, mode=mode, fp32_gemm=library or "mkl"), sizes)
     if not optimized:
-        return Analysis(config, sizes, False, tuple(unfused_ops), mode=mode)
-    opt_ops = _counts(optimized_graphs(config, mode), sizes)
-    return Analysis(config, sizes, True, tuple(opt_ops), unfused_bytes=sum(o.bytes for o in unfused_ops), mode=mode)
+        return Analysis(config, sizes, False, tuple(unfused_ops), mode=mode, fp32_gemm=library)
+    opt_ops = _counts(optimized_graphs(config, mode, library or "mkl"), sizes)
+    return Analysis(config, sizes, True, tuple(opt_ops), unfused_bytes=sum(o.bytes for o in unfused_ops), mode=mode,
+                    fp32_gemm=library)
 
 
 # -- measurement ---------------------------------------------------------------------------------
 
 
 def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=None,
-            copy_bytes: int | None = None, optimized: bool = False, mode: str = "train") -> Measurement:
+            copy_bytes: int | None = None, optimized: bool = False, mode: str = "train",
+            fp32_gemm: str = "auto") -> Measurement:
     """Run the compiled layer (train mode, random input at the config's sizes) with per-operator timers;
     ``mode="eval"``: forward passes of the inference build in eval mode under ``torch.inference_mode``.
 
@@ -467,7 +490,8 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
     tens of percent within seconds). A bfloat16 build is measured as autocast runs it
     (``float32_masters``: an inference build takes the weights it packs in float32) with bf16 parameters
     otherwise; the cast of float32 master weights it does under autocast (:func:`master_weight_casts`) is
-    timed after each step on float32 copies of those parameters.
+    timed after each step on float32 copies of those parameters. ``fp32_gemm``: the float32 GEMM
+    library of the build it compiles (:func:`analyze` with the same value counts its graphs).
 
     Returns:
         a :class:`Measurement` (seconds per call are medians over the repeats).
@@ -483,7 +507,8 @@ def measure(config, repeats: int = 5, warmup: int = 1, seed: int = 0, compiled=N
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     config = load_config(config)
     if compiled is None:
-        compiled = compile_layer(config, instrument=True, fuse=optimized, mode=mode, float32_masters=True)
+        compiled = compile_layer(config, instrument=True, fuse=optimized, mode=mode, float32_masters=True,
+                                 fp32_gemm=fp32_gemm)
     libs = {"forward": compiled.forward}
     if mode == "train":
         libs["backward"] = compiled.backward

@@ -257,8 +257,9 @@ def run_bench(config, repeats: int = 20, warmup: int = 3, batch_size: int | None
 def time_limit(config, measured_seconds: dict | None = None, mode: str = "train", fp32_gemm: str = "mkl") -> dict:
     """The analysis' lower bound on one forward+backward step of ``config`` (``mode="eval"``: one
     forward pass of the inference build), from rates measured now: contraction flop at the GEMM rate of
-    the library the build calls (float32: ``fp32_gemm``, ``"mkl"`` or ``"onednn"``) plus the SN/EW
-    kernels' required bytes at the copy bandwidth.
+    the library the build calls (float32: ``fp32_gemm``, ``"mkl"`` or ``"onednn"``; inference: oneDNN's
+    weights read from packed copies) plus the SN/EW kernels' required bytes at the copy bandwidth, both
+    counted on the graphs of that library.
 
     ``limit_seconds = TC flop / gemm_rate + (SN + EW bytes) / copy_bandwidth`` with the optimized
     graphs' counts (:func:`substation.perf.analysis.analyze`), :func:`~substation.perf.probes.gemm_rate` (the
@@ -283,14 +284,14 @@ def time_limit(config, measured_seconds: dict | None = None, mode: str = "train"
         ToolchainError, BuildError: the probe library cannot be built.
     """
 
-    an = analyze(config, optimized=True, mode=mode)
+    an = analyze(config, optimized=True, mode=mode, fp32_gemm=fp32_gemm)
     flop = an.total("total", "TC")["flop"]
     nbytes = an.total("total", "SN")["bytes"] + an.total("total", "EW")["bytes"]
     tokens, hidden, ffn = config.batch_size * config.max_seq_len, config.hidden_size, config.ffn_size
     shapes = ((2048, 2048, 2048), (tokens, ffn, hidden), (tokens, hidden, ffn))  # square; linear1, linear2
     calls = 5
     # bf16 builds: the FMA peak of their float32 arithmetic (no AMX peak probe)
-    rate = gemm_rate(config.dtype, shapes, repeats=calls, fp32_gemm=fp32_gemm)
+    rate = gemm_rate(config.dtype, shapes, repeats=calls, fp32_gemm=fp32_gemm, packed_weights=mode == "eval")
     peak = fma_peak(_ARITHMETIC.get(config.dtype, config.dtype))
     bw, buffer_bytes = copy_bandwidth()
     limit = flop / rate + nbytes / bw

@@ -159,15 +159,17 @@ def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = 
     return [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]
 
 
-def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5, fp32_gemm: str = "mkl") -> float:
-    """The GEMM rate in flop/s of the library the generated code calls (:func:`gemm_seconds`): the best
+def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5, fp32_gemm: str = "mkl",
+              packed_weights: bool = False) -> float:
+    """The GEMM rate in flop/s of the library the generated code calls (:func:`gemm_seconds`, weights
+    read from packed copies with ``packed_weights``, as inference builds on oneDNN read them): the best
     over ``shapes`` of 2 m n k / seconds.
 
     Raises:
         as :func:`gemm_seconds`.
     """
     shapes = [tuple(int(v) for v in s) for s in shapes]
-    seconds = gemm_seconds(shapes, fp32_gemm, repeats, dtype)
+    seconds = gemm_seconds(shapes, fp32_gemm, repeats, dtype, packed_weights)
     return max(2.0 * m * n * k / s for (m, n, k), s in zip(shapes, seconds))
 
 

@@ -8,6 +8,7 @@ from ..files import atomic_write
 from ..ir.graph import OP_CLASSES
 from ..passes.precision import applies_to
 from .analysis import PAPER_CLASS_SHARES, PAPER_MAX_REDUCTION_PCT, PASSES, Analysis
+from .gemm_choice import gemm_label
 
 __all__ = ["differences", "format_kernels", "format_report", "plot_report", "write_json"]
 
@@ -52,7 +53,7 @@ def format_report(analysis: Analysis) -> str:
     width_note = (f"{c.itemsize} bytes; float32 residual stream, norms, statistics" if applies_to(c.dtype, c.target)
                   else f"{c.itemsize} bytes")
     lines = [f"{c.name}: B={c.batch_size} J=K={c.max_seq_len} I={c.hidden_size} H={c.num_heads} P={c.head_size} "
-             f"U={c.ffn_size} {c.dtype} ({width_note}) {c.layer_norm}-LN {c.activation}"
+             f"U={c.ffn_size} {c.dtype} ({width_note}){gemm_label(a.fp32_gemm)} {c.layer_norm}-LN {c.activation}"
              + ("  [optimized graphs]" if a.optimized else "  [unfused graphs]")
              + ("  [inference build: forward only, no dropout, nothing saved]" if a.mode == "eval" else "")]
     width = max([len("operator")] + [len(o.name) for o in a.operators])

@@ -154,9 +154,9 @@ class CompiledGraph:
     @contextlib.contextmanager
     def parameters_held(self):
         """Within this context the calling thread promises not to change the parameters it passes to
-        this library, so a library that reads packed copies of them (bfloat16 inference builds) digests
-        each parameter's content once instead of on every call (a packed batch calls it once per
-        group). Outside it, and in libraries without packed parameters, nothing changes.
+        this library, so a library that reads packed copies of them (inference builds on oneDNN's
+        GEMMs) digests each parameter's content once instead of on every call (a packed batch calls it
+        once per group). Outside it, and in libraries without packed parameters, nothing changes.
         """
         hold = getattr(self.lib, "substation_hold_parameters", None)
         if hold is None:
@@ -459,14 +459,16 @@ def registered_layer(key: str) -> CompiledLayer:
 
 
 def release_packed_parameters() -> int:
-    """Drop the packed copies of parameters that bfloat16 inference builds keep (one cache per process,
-    up to 1 GiB, a copy per parameter and packed layout: a new content packed from a parameter's address
+    """Drop the packed copies of parameters that inference builds on oneDNN's GEMMs keep (bfloat16, and
+    float32 with ``fp32_gemm`` resolved to ``"onednn"``; one cache per process, its capacity
+    ``ss::packed_parameter_bytes()``: 1 GiB or an eighth of the machine's memory, whichever is more; a
+    copy per parameter, packed layout and chunk: a new content packed from a parameter's address
     replaces the copy made from there before) and hand the freed memory back to the OS (glibc's
     ``malloc_trim``: :func:`keep_freed_memory` keeps freed memory otherwise); the next inference call
     packs what it reads again.
 
     Returns:
-        The bytes the copies held (0 when no bfloat16 build is loaded).
+        The bytes the copies held (0 when no build on oneDNN's GEMMs is loaded).
     """
     with _REGISTRY_LOCK:
         layers = list(_REGISTRY.values())
@@ -474,7 +476,7 @@ def release_packed_parameters() -> int:
         release = getattr(layer.forward.lib, "substation_release_packed_parameters", None)
         if release is not None:
             release.restype = ctypes.c_uint64
-            held = int(release())  # every bf16 build shares the one cache (substation_dnnl.h)
+            held = int(release())  # every oneDNN build shares the one cache (substation_dnnl.h)
             try:
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
             except (OSError, AttributeError):  # not glibc: its allocator decides
