@@ -28,9 +28,8 @@ where row (b, j) of X and Y is row ``X_rows[b J + j]`` / ``Y_rows[b J + j]`` of 
 b J + j; a Y index of -1: not written), so a packed batch needs no gather or scatter copy;
 ``substation_run`` is that call with null indices. Libraries on oneDNN's GEMMs (bfloat16, float32 with
 ``fp32_gemm="onednn"``) also export ``substation_release_packed_parameters``, forward-only ones
-``substation_hold_parameters(int32_t on)``
-(:meth:`~substation.runtime.CompiledGraph.parameters_held`). Contractions and the
-fused attention kernel are emitted by :mod:`substation.backends.cpu.contraction`.
+``substation_hold_parameters(int32_t on)`` (:meth:`~substation.runtime.CompiledGraph.parameters_held`).
+Contractions and the fused attention kernel are emitted by :mod:`substation.backends.cpu.contraction`.
 """
 from __future__ import annotations
 
