@@ -36,7 +36,8 @@ from .perf.gemm_choice import fixed_fp32_gemm, resolve_fp32_gemm
 from .runtime.library import DTYPE_NAMES, CompiledGraph, CompiledLayer
 
 __all__ = ["PASSES", "Pass", "Pipeline", "MODES", "PipelineOptions", "PipelineState", "build_after_apply", "cached_compile",
-           "compile_graphs", "compile_layer", "compiled_from_state", "compiled_state", "rebuild_for"]
+           "compile_graphs", "compile_layer", "compiled_from_state", "compiled_state", "fp32_gemm_library",
+           "rebuild_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +204,21 @@ def _layout(state: PipelineState) -> None:
     state.forward, state.backward = apply_plan(state.forward, state.backward, plan)
 
 
+def fp32_gemm_library(config: EncoderConfig, fp32_gemm: str = "auto", mode: str = "train") -> str | None:
+    """The library the token-wise GEMMs of a float32 CPU build of ``config`` in ``mode`` call for
+    ``fp32_gemm`` (:func:`~substation.perf.gemm_choice.resolve_fp32_gemm`: ``"mkl"`` or ``"onednn"``);
+    None for builds without float32 CPU GEMMs, which ignore the option.
+
+    Raises:
+        ValueError: as :func:`~substation.perf.gemm_choice.resolve_fp32_gemm`.
+    """
+    if config.target == "cpu" and config.dtype == "float32":
+        return resolve_fp32_gemm(fp32_gemm, config, mode)
+    return None
+
+
 def _gemm_library(state: PipelineState) -> None:
-    if state.config.target == "cpu" and state.config.dtype == "float32":
-        state.fp32_gemm = resolve_fp32_gemm(state.options.fp32_gemm, state.config, state.options.mode)
+    state.fp32_gemm = fp32_gemm_library(state.config, state.options.fp32_gemm, state.options.mode)
 
 
 def _codegen(state: PipelineState) -> None:

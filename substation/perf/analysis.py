@@ -51,12 +51,11 @@ __all__ = [
     "SYMBOLS", "PAPER_CLASS_SHARES", "PAPER_MAX_REDUCTION_PCT", "PASSES",
     "OperatorCount", "Measurement", "Analysis",
     "access_elements", "kind_flop", "operator_count", "count_graph", "master_weight_casts", "optimized_graphs",
-    "analysed_fp32_gemm", "analyze",
+    "analyze",
     "measure",
 ]
 from ..layer import EncoderLayer
-from ..pipeline import compile_graphs, compile_layer
-from .gemm_choice import resolve_fp32_gemm
+from ..pipeline import compile_graphs, compile_layer, fp32_gemm_library
 from .probes import CopyTimer
 from .timing import Candidate, time_step
 
@@ -282,18 +281,6 @@ def optimized_graphs(config: EncoderConfig, mode: str = "train", fp32_gemm: str 
     return compile_graphs(load_config(config), fuse_ops=True, mode=mode, float32_masters=True, fp32_gemm=fp32_gemm)
 
 
-def analysed_fp32_gemm(config: EncoderConfig, mode: str, fp32_gemm: str = "auto") -> str | None:
-    """The library whose graphs :func:`analyze` counts for ``fp32_gemm`` (``"auto"`` resolved as a build
-    of ``config`` in ``mode`` resolves it: :func:`~substation.perf.gemm_choice.resolve_fp32_gemm`); None
-    for configs without float32 CPU GEMMs.
-
-    Raises:
-        ValueError: an unknown ``fp32_gemm`` or a bad ``$SUBSTATION_FP32_GEMM``.
-    """
-    library = resolve_fp32_gemm(fp32_gemm, config, mode)
-    return library if config.dtype == "float32" and config.target == "cpu" else None
-
-
 # -- analysis ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Measurement:
@@ -450,7 +437,7 @@ def analyze(config, optimized: bool = False, mode: str = "train", fp32_gemm: str
 
     With ``optimized``, counts the fused graphs and also the unfused ones, for
     :attr:`Analysis.data_movement_reduction_pct`; a float32 CPU config's fused graphs are those of the
-    GEMM library ``fp32_gemm`` resolves to (:func:`analysed_fp32_gemm`, recorded in
+    GEMM library ``fp32_gemm`` resolves to (:func:`~substation.pipeline.fp32_gemm_library`, recorded in
     :attr:`Analysis.fp32_gemm`: oneDNN's builds take biases and activations in GEMM epilogues). Needs no
     compilation (``"auto"`` may measure the library choice once, :mod:`~substation.perf.gemm_choice`).
 
@@ -462,11 +449,12 @@ def analyze(config, optimized: bool = False, mode: str = "train", fp32_gemm: str
 
     config = load_config(config)
     sizes = config.sizes()
-    library = analysed_fp32_gemm(config, mode, fp32_gemm)
-    unfused_ops = _counts(compile_graphs(config, mode=mode, fp32_gemm=library or "mkl"), sizes)
+    library = fp32_gemm_library(config, fp32_gemm, mode)
+    resolved = library or fp32_gemm  # the library itself: the pipeline runs below need not resolve it again
+    unfused_ops = _counts(compile_graphs(config, mode=mode, fp32_gemm=resolved), sizes)
     if not optimized:
         return Analysis(config, sizes, False, tuple(unfused_ops), mode=mode, fp32_gemm=library)
-    opt_ops = _counts(optimized_graphs(config, mode, library or "mkl"), sizes)
+    opt_ops = _counts(optimized_graphs(config, mode, resolved), sizes)
     return Analysis(config, sizes, True, tuple(opt_ops), unfused_bytes=sum(o.bytes for o in unfused_ops), mode=mode,
                     fp32_gemm=library)
 
