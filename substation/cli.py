@@ -10,9 +10,8 @@ import statistics
 import sys
 import time
 
-from .backends.cpu.contraction import FP32_GEMM_CHOICES
+from .backends.cpu.gemm_libraries import FP32_GEMM_CHOICES
 from .files import OutputError, check_output_dir, check_writable, publish_dir, publish_files
-from .perf.gemm_choice import fixed_fp32_gemm, gemm_label
 from .version import __version__
 
 __all__ = ["main"]
@@ -114,6 +113,7 @@ def cmd_compile(args) -> int:
     from .config import load_config
     from .layer import EncoderLayer
     from .perf.baselines import padding_mask, real_token_error
+    from .perf.gemm_choice import gemm_label
     from .perf.timing import Candidate, interleaved_times
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
@@ -587,11 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of the ``substation`` command. Returns the exit status."""
+    args = build_parser().parse_args(argv)  # before the compiler's imports: --help and --version stay quick
     from .backends.cpu.build import BuildError, ToolchainError
     from .config import ConfigError
     from .ir.operands import LayoutError
     from .passes.layout import LayoutInfeasible, PlanError
-    args = build_parser().parse_args(argv)
+    from .perf.gemm_choice import fixed_fp32_gemm
     try:
         if args.func not in (cmd_cache, cmd_graphs):  # the commands that build layers
             fixed_fp32_gemm()  # a bad $SUBSTATION_FP32_GEMM is named before any work
@@ -608,6 +609,11 @@ def main(argv=None) -> int:
             if getattr(args, flag, None):
                 check_writable(getattr(args, flag), f"--{flag}")
         return args.func(args)
+    except BrokenPipeError:
+        # the reader of stdout left (`substation report ... | head`): stop quietly, as `cat` does;
+        # stdout goes to /dev/null so that the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, a shell's status for a command the pipe ended
     except (ConfigError, OSError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible,
             OutputError) as e:
         print(f"substation: error: {e}", file=sys.stderr)

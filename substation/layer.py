@@ -12,7 +12,7 @@ from torch import nn
 
 from .config import DTYPES, DropoutConfig, EncoderConfig
 from .interop.families import NotConvertible, activation_name, family_of, layer_config
-from .backends.cpu.contraction import check_fp32_gemm
+from .backends.cpu.gemm_libraries import check_fp32_gemm
 from .pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from .reference import init_parameters
 from .runtime import (ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, CompiledLayer, parameter_names, run_layer,

@@ -19,7 +19,7 @@ import torch
 
 from .backends.cpu.build import ToolchainError, build_libraries, require_bf16_isa
 from .backends.cpu.codegen import generate_cpu
-from .backends.cpu.contraction import check_fp32_gemm, links_onednn
+from .backends.cpu.gemm_libraries import check_fp32_gemm, links_onednn
 from .backends.cuda.build import build_cuda_libraries
 from .backends.cuda.codegen import generate_cuda
 from .config import CUDA_DTYPES, DTYPES, EncoderConfig, load_config
@@ -63,7 +63,7 @@ class PipelineOptions:
             (``ss::matmul<float>``: 1.18-1.22x faster GEMMs on AMD Zen 4, and in inference builds the
             bias and GELU epilogues and packed weights; up to 2.2-3.5x PyTorch float32's error on weight
             gradients; docs/toolchain.md), one of
-            :data:`~substation.backends.cpu.contraction.FP32_GEMM_CHOICES`.
+            :data:`~substation.backends.cpu.gemm_libraries.FP32_GEMM_CHOICES`.
         float32_masters: bfloat16 CPU builds that a float32 layer runs under autocast: its parameters are
             float32 master weights. The inference build then takes the weights its GEMMs read from packed
             copies in float32 and rounds them to bf16 as it packs them (found again by their content),

@@ -700,7 +700,7 @@ int lru_order() {
 
 
 def test_onednn_primitives_are_kept_in_a_bounded_least_recently_used_cache():
-    """ss::matmul_bf16 keeps at most kMatmulPrimitives primitives (each holds JIT kernels: without a
+    """ss::matmul keeps at most kMatmulPrimitives primitives (each holds JIT kernels: without a
     bound, a caller with ever new batch shapes grows memory without end), evicting the least recently
     used; results stay exact across evictions."""
     import ctypes

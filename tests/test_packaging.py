@@ -92,3 +92,19 @@ def test_missing_configs_folder_is_named(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode != 0
     assert f"neither {pkg / 'configs'} (installed package) nor {tmp_path / 'configs'}" in proc.stderr
+
+
+def test_command_line_help_and_version_load_no_compiler():
+    """``substation --version`` and ``--help`` answer without importing PyTorch, DaCe or SymPy (they
+    took 4-6 s before the package's names loaded lazily), and every public name still resolves."""
+    script = ("import sys, substation.cli as cli\n"
+              "try:\n    cli.main(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+              "heavy = sorted(m for m in ('torch', 'dace', 'sympy') if m in sys.modules)\n"
+              "assert not heavy, heavy\n"
+              "import substation\n"
+              "print(sorted(n for n in substation.__all__ if getattr(substation, n, None) is None))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"substation {substation.__version__}", "[]"]
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        substation.no_such_name  # noqa: B018

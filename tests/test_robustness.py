@@ -691,6 +691,17 @@ def test_cli_prints_error_and_exits_2_in_a_subprocess(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
 
 
+def test_cli_whose_reader_left_stops_quietly(tmp_path):
+    """``substation report ... | head``: a reader that closes the pipe early ends the command with the
+    shell's SIGPIPE status (141) and no error message, as `cat` would."""
+    proc = subprocess.Popen([sys.executable, "-m", "substation", "report", "tiny", "--mode", "eval"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=compile_env(tmp_path / "cache"))
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert err == ""
+
+
 def test_cli_error_starts_its_own_line(fresh_toolchain, tmp_path, capsys):
     import re
     from substation.cli import main

@@ -84,6 +84,7 @@ def test_masks_equivalent_forms(tiny_nodrop):
     pad = torch.tensor([[False] * 7, [False] * 4 + [True] * 3])
     additive = torch.zeros(2, 7, dtype=torch.float64).masked_fill(pad, float("-inf"))
     outs = [layer(x, key_padding_mask=pad), layer(x, attention_mask=~pad), layer(x, attention_mask=(~pad).long()),
+            layer(x, attention_mask=(~pad).short()), layer(x, attention_mask=(~pad).to(torch.uint8)),
             layer(x, attention_mask=additive), layer(x, attention_mask=additive[:, None, None, :]),
             layer(x, attention_mask=additive[:, None, None, :].expand(2, 1, 7, 7))]
     for o in outs[1:]:
@@ -139,7 +140,7 @@ BAD_CALLS = [
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7), key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)), ValueError, "not both"),
     (lambda l, x: l(x, attention_mask=torch.randn(2, 1, 7, 7, dtype=torch.float64)), ValueError, "differs between queries"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 2, 1, 7)), ValueError, r"attention_mask must have shape \[B, K\] = \[2, 7\], \[B, 1, 1, K\], \[B, 1, J, K\] or \[B, H, J, K\] with H = \d+; got \(2, 2, 1, 7\)"),
-    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, "unsupported attention_mask dtype torch.complex64"),
+    (lambda l, x: l(x, attention_mask=torch.zeros(2, 7, dtype=torch.complex64)), TypeError, r"attention_mask has dtype torch.complex64; give a bool or integer mask"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 7).index_fill_(1, torch.tensor([3]), float("nan"))), ValueError, "holds NaN or"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 1, 1, 7).index_fill_(3, torch.tensor([6]), float("inf"))), ValueError, r"holds NaN or \+inf"),
 ]

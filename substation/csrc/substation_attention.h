@@ -625,11 +625,13 @@ static inline void attention_forward_amx(int64_t B, int64_t H, int64_t J, int64_
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h) {
+        const NextHead<bf16_t> next(b, h, B, H, J, K, P, q, q_s, k, k_s, v, v_s);
         amx_pack_keys(K, P, k + b * k_s[0] + h * k_s[2], k_s[1], Kp, Pp, kt.data());
         amx_pack_values(K, P, v + b * v_s[0] + h * v_s[2], v_s[1], Kp, Pp, vt.data());
         const float* mb = mask ? key_mask_log2(mask + b * mask_b, K, mask2.data()) : nullptr;
         for (int64_t j0 = 0; j0 < J; j0 += 16) {
           const int64_t nj = std::min<int64_t>(16, J - j0);
+          next.fetch(j0 / 16, (J + 15) / 16);
           const bf16_t* qb = q + b * q_s[0] + j0 * q_s[1] + h * q_s[2];
           int64_t q_ld = q_s[1];
           if (nj < 16 || P < Pp) {  // a tile reads 16 whole rows of 32 bf16 per P block

@@ -266,7 +266,7 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
       key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i], bias.batch[i]});
     const bool with_bias = bias.data != nullptr;
     if (with_bias && alpha != 1.0f) {
-      last_error() = "matmul_bf16: a bias epilogue needs alpha = 1";
+      last_error() = "matmul: a bias epilogue needs alpha = 1";
       return 1;
     }
     b_parameter = b_parameter && batch.count == 0;

@@ -12,7 +12,7 @@ import warnings
 from torch import nn
 
 from ..config import ConfigError, EncoderConfig
-from ..backends.cpu.contraction import check_fp32_gemm
+from ..backends.cpu.gemm_libraries import check_fp32_gemm
 from ..pipeline import cached_compile
 from .families import NotConvertible, family_of, layer_config
 from .layers import SubstationLayer, replace_with_drop_in

@@ -50,7 +50,7 @@ __all__ = ["MODELS", "HEADS", "VARIANTS", "PHASES", "ModelSpec", "model_spec", "
            "train_step", "peak_step_bytes", "compiled_layers", "run_bench_model", "format_bench_model",
            "plot_bench_model"]
 from ..interop import optimize
-from ..backends.cpu.contraction import check_fp32_gemm
+from ..backends.cpu.gemm_libraries import check_fp32_gemm
 from ..runtime import CompiledLayer
 
 #: The bundled model names of ``--model``.

@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 
 from ..interop import optimize
-from ..backends.cpu.contraction import check_fp32_gemm
+from ..backends.cpu.gemm_libraries import check_fp32_gemm
 from .baselines import padded_from, padded_positions
 from .bench_model import ModelSpec, compiled_layers, model_spec
 from .gemm_choice import gemm_label

@@ -36,7 +36,7 @@ import time
 import warnings
 
 from ..backends.cpu.build import TUNE_FOLDER, BuildError, ToolchainError, cache_dir, cpu_id, onednn, toolchain
-from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
+from ..backends.cpu.gemm_libraries import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..files import atomic_write_text
 from ..version import __version__
 from . import probes

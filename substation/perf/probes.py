@@ -12,7 +12,7 @@ import statistics
 import time
 
 from ..backends.cpu.build import build_library
-from ..backends.cpu.contraction import FP32_GEMM_LIBRARIES, check_fp32_gemm
+from ..backends.cpu.gemm_libraries import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..resources import csrc_file
 
 __all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info", "openmp_threads"]

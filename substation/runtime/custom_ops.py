@@ -380,9 +380,9 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
         if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
             raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}] (or [1, K]), got {shape}")
         return
-    if not (mask.dtype == torch.bool or mask.is_floating_point()
-            or mask.dtype in (torch.int64, torch.int32, torch.int8, torch.uint8)):
-        raise TypeError(f"unsupported {what} dtype {mask.dtype}")
+    if mask.is_complex() or mask.is_quantized:
+        raise TypeError(f"{what} has dtype {mask.dtype}; give a bool or integer mask (1 or True = attend) or "
+                        f"a floating additive one (0 = attend, -inf = masked)")
     heads = config.num_heads
     ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
          (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, seq)
