@@ -218,12 +218,12 @@ inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
       return 1;
     }
   }
+  if (bias.data && alpha != 1.0f) {
+    last_error() = "matmul: a bias epilogue needs alpha = 1";
+    return 1;
+  }
   if constexpr (std::is_same<T, float>::value) {
     if (batch.count == 0) {
-      if (bias.data && alpha != 1.0f) {
-        last_error() = "matmul: a bias epilogue needs alpha = 1";
-        return 1;
-      }
       float* out = static_cast<float*>(c);
       if (m < kFloatMinRows) {
         gemm<float>(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, out, ldc);
@@ -248,6 +248,7 @@ inline int matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
 }
 
 // One oneDNN call of matmul(); accumulate: C += the product (oneDNN's sum post-op) instead of C =.
+// Called by matmul() alone, which has refused a bias with alpha != 1.
 template <typename T, typename TB>
 inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a,
                        int64_t lda, const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
@@ -265,10 +266,6 @@ inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t
     for (int i = 0; i < batch.count; ++i)
       key.insert(key.end(), {batch.size[i], batch.a[i], batch.b[i], batch.c[i], bias.batch[i]});
     const bool with_bias = bias.data != nullptr;
-    if (with_bias && alpha != 1.0f) {
-      last_error() = "matmul: a bias epilogue needs alpha = 1";
-      return 1;
-    }
     b_parameter = b_parameter && batch.count == 0;
     key.insert(key.end(), {with_bias, bias.m, bias.n, (int64_t)activation, b_parameter, accumulate});
     std::shared_ptr<const MatmulEntry> entry;

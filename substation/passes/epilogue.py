@@ -32,10 +32,10 @@ longer fit in cache made it 20% slower; below 256 rows oneDNN's calls go to MKL 
 """
 from __future__ import annotations
 
+from ..backends.cpu.gemm_libraries import links_onednn
 from ..config import EncoderConfig
 from ..ir.graph import GraphBuilder, LayerGraph
 from ..ops.contraction import EPILOGUE_BIAS
-from .precision import applies_to as mixed_precision
 
 __all__ = ["activation_candidates", "applies_to", "epilogue_candidates", "float32_master", "fuse_epilogues",
            "pack_parameters"]
@@ -45,8 +45,7 @@ def applies_to(config: EncoderConfig, fp32_gemm: str | None = None) -> bool:
     """Whether builds of ``config`` run their token-wise contractions on a GEMM call with a bias
     epilogue, oneDNN's (``ss::matmul``): the mixed-precision (bfloat16 CPU) builds, and float32 CPU
     builds whose float32 GEMM library (``fp32_gemm``, resolved: ``"mkl"`` or ``"onednn"``) is oneDNN."""
-    return mixed_precision(config.dtype, config.target) or \
-        (config.dtype == "float32" and config.target == "cpu" and fp32_gemm == "onednn")
+    return config.target == "cpu" and links_onednn(config.dtype, fp32_gemm)
 
 
 def _finishing(graph: LayerGraph, kind: str, protected: set[str]):
