@@ -73,6 +73,8 @@ class PipelineOptions:
     Raises:
         TypeError: an option of the wrong type. ValueError: an unknown mode or fp32_gemm; fp32_gemm
             ``"auto"`` with ``$SUBSTATION_FP32_GEMM`` set to something else than a library.
+        FileNotFoundError: a layout path or name that names no plan file and no bundled plan.
+        PlanError: a layout plan file that is no plan (:func:`~substation.passes.layout.load_plan`).
     """
 
     fuse: bool = True
@@ -98,6 +100,8 @@ class PipelineOptions:
         if not (self.layout is None or isinstance(self.layout, (str, os.PathLike, LayoutPlan))):
             raise TypeError(f"PipelineOptions.layout must be None, a plan path or name, or a LayoutPlan; "
                             f"got {type(self.layout).__name__}")
+        if isinstance(self.layout, (str, os.PathLike)):
+            load_plan(self.layout)  # a missing or malformed plan is named here, before any pass runs
 
     def to_dict(self) -> dict:
         """Plain data (a layout plan object becomes its JSON mapping)."""
@@ -391,7 +395,8 @@ def compile_layer(config: "EncoderConfig | str | os.PathLike", progress=None, in
     ``layout``, ``mode``, ``attention``, ``fp32_gemm`` and ``float32_masters``: see :class:`PipelineOptions`.
 
     Raises:
-        as :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
+        as :class:`PipelineOptions` (a bad option or layout plan, before any pass runs) and
+        :meth:`Pipeline.run`; ValueError: ``instrument`` with target ``cuda``.
     """
     options = PipelineOptions(fuse=fuse, layout=layout, instrument=instrument, mode=mode, attention=attention,
                               fp32_gemm=fp32_gemm, float32_masters=float32_masters)

@@ -101,6 +101,19 @@ def test_machine_probes():
         gemm_rate("float32", [(4, 0, 4)])
     with pytest.raises(ValueError, match="iterations >= 1"):
         fma_peak("float32", iterations=0)
+    # with what a build runs after its GEMMs (the float32 GEMM choice): oneDNN's epilogue, MKL's pass
+    from substation.perf.probes import gemm_seconds
+    for dtype, library in (("float32", "mkl"), ("float32", "onednn"), ("bfloat16", "mkl")):
+        seconds = gemm_seconds([(300, 64, 32)] * 3, library, dtype=dtype, packed_weights=library == "onednn",
+                               epilogues=["", "bias", "bias_gelu"])
+        assert len(seconds) == 3 and all(0 < s < 1 for s in seconds), (dtype, library, seconds)
+    with pytest.raises(ValueError, match=r"epilogues must give one of \('', 'bias', 'bias_gelu'\) per shape "
+                                         r"\(1; float64: none\), got \['relu'\]"):
+        gemm_seconds([(4, 4, 4)], epilogues=["relu"])
+    with pytest.raises(ValueError, match=r"per shape \(2; float64: none\), got \['bias'\]"):
+        gemm_seconds([(4, 4, 4)] * 2, epilogues=["bias"])
+    with pytest.raises(ValueError, match=r"float64: none\), got \['bias'\]"):
+        gemm_seconds([(4, 4, 4)], dtype="float64", epilogues=["bias"])
 
 
 def test_bench_cli_with_torch_compile(tmp_path, capsys):

@@ -80,6 +80,11 @@ def test_yaml_files_without_errors_and_a_missing_file(tmp_path):
     from substation.passes.layout import load_plan
     with pytest.raises(FileNotFoundError, match=r"no layout plan '/no/such.json': no such file, nor a bundled plan \(bert-base, default\)"):
         load_plan("/no/such.json")
+    from substation.pipeline import compile_layer
+    started = []
+    with pytest.raises(FileNotFoundError, match="no layout plan '/no/such.json'"):
+        compile_layer("tiny", progress=started.append, layout="/no/such.json")
+    assert started == []  # named before the first pass, not after five
     number = tmp_path / "number.yaml"
     number.write_text('name: "123"\n')
     assert load_config(number).name == "123"

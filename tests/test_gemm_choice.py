@@ -25,8 +25,9 @@ def fake_probe(monkeypatch, onednn_factor):
     1, 2, ... (round 0: the discarded one)."""
     calls = {"mkl": 0, "onednn": 0}
 
-    def gemm_seconds(shapes, fp32_gemm, repeats=2, dtype="float32", packed_weights=False):
+    def gemm_seconds(shapes, fp32_gemm, repeats=2, dtype="float32", packed_weights=False, epilogues=None):
         assert packed_weights  # oneDNN's calls as inference builds make them
+        assert epilogues == gemm_choice.EPILOGUES[fp32_gemm]  # with what each build runs after its GEMMs
         calls[fp32_gemm] += 1
         scale = onednn_factor(calls["onednn"] - 1) if fp32_gemm == "onednn" else 1.0
         return [2e-9 * m * n * k * scale for m, n, k in shapes]
@@ -59,8 +60,9 @@ def test_an_unreadable_or_older_record_is_measured_again(unpinned, monkeypatch):
     calls = fake_probe(monkeypatch, lambda i: 0.5)
     assert choose_fp32_gemm(64, 256, 2)["library"] == "onednn"
     (record,) = (unpinned / "tune").glob("*.json")
-    # a library that is none; a record of the earlier format (measured on unpacked weights)
-    for text in ('{"format": "substation-fp32-gemm/2", "library": "blas"}',
+    # a library that is none; records of earlier formats (measured without the epilogues, on unpacked weights)
+    for text in ('{"format": "substation-fp32-gemm/3", "library": "blas"}',
+                 '{"format": "substation-fp32-gemm/2", "library": "mkl"}',
                  '{"format": "substation-fp32-gemm/1", "library": "mkl"}'):
         record.write_text(text)
         choose_fp32_gemm.cache_clear()

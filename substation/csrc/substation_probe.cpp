@@ -1,5 +1,6 @@
-// Machine probes for the bench's limit (substation.perf.probes.gemm_rate, fma_peak): the BLAS's GEMM
-// rate and the FMA peak of the cores, both on the OpenMP threads the generated code uses.
+// Machine probes for the bench's limit (substation.perf.probes.gemm_rate, fma_peak) and the float32 GEMM
+// choice (substation.perf.gemm_choice): the BLAS's GEMMs, with the element-wise pass that follows one
+// where a layer needs it, and the FMA peak of the cores, all on the OpenMP threads the generated code uses.
 #include <mkl_cblas.h>
 #include <omp.h>
 #include <immintrin.h>
@@ -7,21 +8,45 @@
 #include <cstdint>
 #include <vector>
 
+#include "substation_cpu.h"  // ss::gelu, as the generated kernels compute it
+
+// D[m x n] = C + bias (with gelu: its GELU, ss::gelu) in one pass over C on all threads, as the
+// element-wise kernel that follows a float32 GEMM on MKL where the product needs its bias at once (BA).
+static void bias_pass(int64_t m, int64_t n, const float* c, const float* bias, bool gelu, float* d) {
+#pragma omp parallel for
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = c + i * n;
+    float* out = d + i * n;
+    if (gelu) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = ss::gelu(row[j] + bias[j]);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = row[j] + bias[j];
+    }
+  }
+}
+
 // Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] W[n x k]^T calls (float or
-// double, all threads; W stored as a PyTorch Linear weight, as the layers' GEMMs read theirs); one
-// untimed call comes first.
+// double, all threads; W stored as a PyTorch Linear weight, as the layers' GEMMs read theirs), each
+// followed, for float, by the pass of `epilogue` (0: none, 1: bias_pass, 2: bias_pass with GELU); one
+// untimed call comes first. Negative: an epilogue for double.
 extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats,
-                                                int32_t use_double) {
+                                                int32_t use_double, int32_t epilogue) {
+  if (use_double && epilogue) return -1.0;
   double best = 1e300;
   auto run = [&](auto zero) {
     using T = decltype(zero);
     std::vector<T> a((size_t)(m * k), T(1) / T(3)), b((size_t)(k * n), T(2) / T(3)), c((size_t)(m * n), T(0));
+    std::vector<T> bias(epilogue ? (size_t)n : 0, T(1) / T(7)), d(epilogue ? (size_t)(m * n) : 0);
     for (int32_t r = 0; r < repeats + 1; ++r) {
       const double t0 = omp_get_wtime();
-      if constexpr (sizeof(T) == 8)
+      if constexpr (sizeof(T) == 8) {
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0, a.data(), k, b.data(), k, 0.0, c.data(), n);
-      else
+      } else {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+        if (epilogue) bias_pass(m, n, c.data(), bias.data(), epilogue == 2, d.data());
+      }
       if (r > 0) best = std::min(best, omp_get_wtime() - t0);
     }
   };

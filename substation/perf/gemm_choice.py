@@ -9,9 +9,13 @@ chunked inner sums of ``ss::matmul<float>`` do not reach GEMMs whose k is the to
 
 The measurement: a discarded round, then :data:`ROUNDS` rounds, each timing both libraries (the
 first alternating) on the layer's token-wise GEMMs at :data:`ROWS` token rows (Q, K, V and out_proj:
-I x I, linear1: U x I, linear2: I x U), the fastest of two calls per GEMM
-(:func:`~substation.perf.probes.gemm_seconds`: the weights stored as PyTorch stores them, oneDNN's
-read from their packed copies as inference builds read them), summed over the GEMMs. oneDNN is
+I x I, linear1: U x I, linear2: I x U) with what each library's build runs at once after them
+(:data:`EPILOGUES`: on oneDNN the biases of out_proj, linear1 and linear2 and linear1's GELU in the
+call's epilogue; on MKL linear1's bias and GELU as a pass of their own, the other biases inside the
+memory-bound kernels that follow),
+the fastest of two calls per GEMM (:func:`~substation.perf.probes.gemm_seconds`: the weights stored
+as PyTorch stores them, oneDNN's read from their packed copies as inference builds read them), summed
+over the GEMMs. oneDNN is
 chosen only when it won significantly many rounds (one-sided sign test at 5%,
 :func:`~substation.perf.timing.sign_test_wins`) and its median sum is at least :data:`MIN_GAIN` below
 MKL's: a small or inconsistent lead keeps MKL.
@@ -42,7 +46,7 @@ from ..version import __version__
 from . import probes
 from .timing import sign_test_wins
 
-__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm", "resolve_fp32_gemm",
+__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "EPILOGUES", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm", "resolve_fp32_gemm",
            "choose_fp32_gemm"]
 
 #: Token rows of the measured GEMMs: where inference batches spend their time (fewer than 256 rows go
@@ -55,7 +59,14 @@ MIN_GAIN = 0.03
 #: The environment variable that fixes float32 inference builds' library under ``"auto"``.
 ENVIRONMENT = "SUBSTATION_FP32_GEMM"
 #: Records of another format (measured on other calls) are measured again.
-RECORD_FORMAT = "substation-fp32-gemm/2"
+RECORD_FORMAT = "substation-fp32-gemm/3"
+#: Per library, what a float32 inference build computes with each of :func:`_shapes`' GEMMs before
+#: anything else reads its result (:data:`~substation.perf.probes.EPILOGUES`). Both add Q, K and V's
+#: biases inside the attention kernel. oneDNN builds add out_proj's, linear1's (with its GELU) and
+#: linear2's in the matmul's epilogue (:mod:`substation.passes.epilogue`); MKL builds add out_proj's
+#: and linear2's inside the norms that follow, at no extra pass, but linear1's bias and GELU in an
+#: element-wise kernel of their own (BA).
+EPILOGUES = {"mkl": ["", "", "", "", "bias_gelu", ""], "onednn": ["", "", "", "bias", "bias_gelu", "bias"]}
 
 
 def gemm_label(library: str | None) -> str:
@@ -119,17 +130,19 @@ def _record_path(hidden: int, ffn: int, threads: int) -> str:
 def _measure(hidden: int, ffn: int) -> dict:
     shapes = _shapes(hidden, ffn)
     for lib in FP32_GEMM_LIBRARIES:  # a first round, discarded: libraries and threads start up
-        probes.gemm_seconds(shapes, lib, repeats=1, packed_weights=True)
+        probes.gemm_seconds(shapes, lib, repeats=1, packed_weights=True, epilogues=EPILOGUES[lib])
     seconds = {lib: [] for lib in FP32_GEMM_LIBRARIES}
     for r in range(ROUNDS):
         for lib in FP32_GEMM_LIBRARIES[r % 2:] + FP32_GEMM_LIBRARIES[:r % 2]:
-            seconds[lib].append(sum(probes.gemm_seconds(shapes, lib, repeats=2, packed_weights=True)))
+            seconds[lib].append(sum(probes.gemm_seconds(shapes, lib, repeats=2, packed_weights=True,
+                                                        epilogues=EPILOGUES[lib])))
     wins = sum(o < m for o, m in zip(seconds["onednn"], seconds["mkl"]))
     median = {lib: statistics.median(s) for lib, s in seconds.items()}
     faster = wins >= sign_test_wins(ROUNDS) and median["onednn"] <= (1 - MIN_GAIN) * median["mkl"]
     return {"format": RECORD_FORMAT, "library": "onednn" if faster else "mkl", "rows": ROWS,
-            "shapes": [list(s) for s in shapes], "seconds": seconds, "onednn_wins": wins, "rounds": ROUNDS,
-            "speedup": median["mkl"] / median["onednn"], "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "shapes": [list(s) for s in shapes], "epilogues": EPILOGUES, "seconds": seconds, "onednn_wins": wins,
+            "rounds": ROUNDS, "speedup": median["mkl"] / median["onednn"],
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def _read_record(path: str) -> dict | None:
@@ -176,8 +189,9 @@ def choose_fp32_gemm(hidden: int, ffn: int, threads: int) -> dict:
 
     Returns:
         The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
-        over ``shapes``), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median / oneDNN's), ``rows``,
-        ``shapes`` ((m, n, k) lists) and ``measured`` (local time). Where oneDNN or a probe library
+        over ``shapes``, with their epilogues), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median /
+        oneDNN's), ``rows``, ``shapes`` ((m, n, k) lists), ``epilogues`` (:data:`EPILOGUES`) and
+        ``measured`` (local time). Where oneDNN or a probe library
         cannot be built: ``library`` ``"mkl"`` and ``unavailable`` (why), with a warning, nothing recorded.
 
     Raises:

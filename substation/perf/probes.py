@@ -15,7 +15,7 @@ from ..backends.cpu.build import build_library
 from ..backends.cpu.gemm_libraries import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..resources import csrc_file
 
-__all__ = ["CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info", "openmp_threads"]
+__all__ = ["EPILOGUES", "CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info", "openmp_threads"]
 
 
 def _l3_bytes() -> int:
@@ -90,7 +90,7 @@ def _probe_library():
     with open(csrc_file("substation_probe.cpp")) as f:
         lib = ctypes.CDLL(build_library(f.read(), "probe").path)
     lib.substation_probe_gemm_seconds.restype = ctypes.c_double
-    lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
+    lib.substation_probe_gemm_seconds.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 3
     lib.substation_probe_fma_flops.restype = ctypes.c_double
     lib.substation_probe_fma_flops.argtypes = [ctypes.c_int64, ctypes.c_int32]
     return lib
@@ -105,7 +105,7 @@ def _onednn_probe_library():
         lib = ctypes.CDLL(build_library(f.read(), "probe-onednn", with_onednn=True).path)
     for name in ("substation_probe_matmul_bf16_seconds", "substation_probe_matmul_f32_seconds"):
         getattr(lib, name).restype = ctypes.c_double
-        getattr(lib, name).argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 2
+        getattr(lib, name).argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int32] * 3
     return lib
 
 
@@ -126,8 +126,12 @@ def openmp_threads() -> int:
     return int(_probe_library().omp_get_max_threads())
 
 
+#: What may follow a probed GEMM (:func:`gemm_seconds`): nothing, a bias [n], or the bias and GELU (erf).
+EPILOGUES = ("", "bias", "bias_gelu")
+
+
 def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = "float32",
-                 packed_weights: bool = False) -> list[float]:
+                 packed_weights: bool = False, epilogues=None) -> list[float]:
     """Seconds of each of ``shapes`` (``(m, n, k)`` tuples): the fastest of ``repeats`` row-major
     ``C[m, n] = A[m, k] W[n, k]^T`` calls (W stored as a PyTorch ``Linear`` weight, as the layers store
     theirs) of the library the generated code calls, on its OpenMP threads, after one untimed call.
@@ -135,11 +139,14 @@ def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = 
     it (``"onednn"``: ``ss::matmul<float>``, k summed in chunks of 512, fewer than 256 rows on MKL);
     ``float64``: ``cblas_dgemm``; ``bfloat16``: oneDNN's bf16 matmul (bf16 in and out).
     ``packed_weights`` (oneDNN's calls only): W is read from its packed copy, as inference builds read
-    their weights (each call digests W; the untimed call packs it).
+    their weights (each call digests W; the untimed call packs it). ``epilogues`` (float32 and
+    bfloat16; None: none): per shape, one of :data:`EPILOGUES`, timed with the call: oneDNN adds it in
+    the matmul's epilogue (a bias, a GELU post-op), MKL in one pass over C after the SGEMM, on all
+    threads (``ss::gelu``), as the element-wise kernel after such a GEMM does (BA).
 
     Raises:
-        ValueError: another dtype or ``fp32_gemm`` (a library, not ``"auto"``), no shapes, a size < 1 or
-            ``repeats`` < 1.
+        ValueError: another dtype or ``fp32_gemm`` (a library, not ``"auto"``), no shapes, a size < 1,
+            ``repeats`` < 1, or ``epilogues`` not one of :data:`EPILOGUES` per shape (none for float64).
         ToolchainError, BuildError: the probe library cannot be built.
         RuntimeError: oneDNN refused a call.
     """
@@ -148,15 +155,20 @@ def gemm_seconds(shapes, fp32_gemm: str = "mkl", repeats: int = 2, dtype: str = 
     shapes = [tuple(int(v) for v in s) for s in shapes]
     if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes) or repeats < 1:
         raise ValueError(f"need shapes of (m, n, k) >= 1 and repeats >= 1, got {shapes} and {repeats}")
+    epilogues = [""] * len(shapes) if epilogues is None else list(epilogues)
+    if len(epilogues) != len(shapes) or any(e not in EPILOGUES for e in epilogues) or (use_double and any(epilogues)):
+        raise ValueError(f"epilogues must give one of {EPILOGUES} per shape ({len(shapes)}; float64: none), "
+                         f"got {epilogues}")
+    codes = [EPILOGUES.index(e) for e in epilogues]
     if dtype == "bfloat16" or (dtype == "float32" and fp32_gemm == "onednn"):
         probe = getattr(_onednn_probe_library(), f"substation_probe_matmul_{'bf16' if dtype == 'bfloat16' else 'f32'}"
                                                  "_seconds")
-        seconds = [probe(m, n, k, repeats, int(packed_weights)) for m, n, k in shapes]
+        seconds = [probe(m, n, k, repeats, int(packed_weights), e) for (m, n, k), e in zip(shapes, codes)]
         if min(seconds) < 0:
             raise RuntimeError(f"oneDNN refused a {dtype} matmul of the shapes {shapes}")
         return seconds
     lib = _probe_library()
-    return [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double) for m, n, k in shapes]
+    return [lib.substation_probe_gemm_seconds(m, n, k, repeats, use_double, e) for (m, n, k), e in zip(shapes, codes)]
 
 
 def gemm_rate(dtype: str = "float32", shapes=((2048, 2048, 2048),), repeats: int = 5, fp32_gemm: str = "mkl",
