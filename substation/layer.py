@@ -15,8 +15,7 @@ from .interop.families import NotConvertible, activation_name, family_of, layer_
 from .backends.cpu.gemm_libraries import check_fp32_gemm
 from .pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state
 from .reference import init_parameters
-from .runtime import (ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, CompiledLayer, parameter_names, run_layer,
-                      run_layer_varlen)
+from .runtime import ALL_TORCH_DTYPES, DTYPE_NAMES, PARAMETER_NAMES, CompiledLayer, run_layer, run_layer_varlen
 
 __all__ = ["EncoderLayer"]
 
@@ -48,8 +47,9 @@ class EncoderLayer(nn.Module):
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
-        """The layer's parameter names in the order the compiled code takes them (:func:`parameter_names`)."""
-        return parameter_names(self.config)
+        """The layer's parameter names in the order the compiled code takes them
+        (:func:`~substation.runtime.parameter_names`)."""
+        return self.compiled.parameter_names
 
     def _apply(self, fn, recurse=True):
         compiled = build_after_apply(self.compiled, fn, self.in_proj_weight.dtype)

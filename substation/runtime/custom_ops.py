@@ -18,7 +18,7 @@ from ..config import EncoderConfig
 from ..ir.graph import size_symbol
 from ..ir.operands import STACK_LETTER
 from ..passes.precision import boundary_dtype
-from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, parameter_names, pin_layer, registered_layer
+from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, pin_layer, registered_layer
 from .packing import computed_queries, pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
 __all__ = ["check_mask", "check_mask_values", "key_mask", "mask_differs", "run_layer", "run_layer_varlen"]
@@ -128,10 +128,11 @@ def _chosen_build(key: str, bf16_autocast: bool, training: bool, forward_only: b
 
 
 def _cast_names(compiled: CompiledLayer, params: list) -> list[str]:
-    """The parameters (in :func:`parameter_names` order; a parameter in parts: a tuple) whose dtype
-    differs from the build's: float32 master weights of a half-precision build, cast inside the operator."""
+    """The parameters (in :func:`~substation.runtime.parameter_names` order; a parameter in parts: a
+    tuple) whose dtype differs from the build's: float32 master weights of a half-precision build, cast
+    inside the operator."""
     dtypes = compiled.forward.dtypes
-    return [n for n, p in zip(parameter_names(compiled.config), params)
+    return [n for n, p in zip(compiled.parameter_names, params)
             if any(q.dtype != dtypes[n] for q in (p if isinstance(p, tuple) else (p,)))]
 
 
@@ -185,7 +186,7 @@ def _layer_forward_impl(key: str, x: torch.Tensor, mask: Optional[torch.Tensor],
     # without gradients the inference build writes Y alone; with them and training=False, no dropout
     compiled = _chosen_build(key, bf16_autocast, training, forward_only)
     b, j, _ = x.shape
-    names = parameter_names(compiled.config)
+    names = compiled.parameter_names
     params = _grouped(params, param_parts)  # parts (forward-only calls only): the Q, K, V weights apart
     # float32 master weights of a half-precision build: cast once per call, kept for backward
     cast_names = _cast_names(compiled, params)
@@ -232,7 +233,7 @@ def _layer_forward_fake(key, x, mask, attend_marks_true, params, seed, training,
     info = {t.name: t for t in compiled.forward.produced}
     dtypes = compiled.forward.dtypes
     cast_names = _cast_names(compiled, params)
-    casts = [p.new_empty(p.shape, dtype=dtypes[n]) for n, p in zip(parameter_names(compiled.config), params)
+    casts = [p.new_empty(p.shape, dtype=dtypes[n]) for n, p in zip(compiled.parameter_names, params)
              if n in cast_names]
     return [x.new_empty(info[n].shape(sizes), dtype=dtypes[n]) for n in compiled.produced_names] + casts
 
@@ -245,7 +246,7 @@ def _layer_backward(key: str, dy: torch.Tensor, saved: list[torch.Tensor], seed:
     given = dict(zip(compiled.saved_names, saved))
     given["dY"] = dy
     grads = compiled.backward(given, b, j, int(seed.item()), training)
-    return [grads["dX"]] + [grads[f"d{n}"] for n in parameter_names(compiled.config)]
+    return [grads["dX"]] + [grads[f"d{n}"] for n in compiled.parameter_names]
 
 
 @_layer_backward.register_fake
@@ -254,7 +255,7 @@ def _layer_backward_fake(key, dy, saved, seed, training):
     sizes = compiled.config.sizes(dy.shape[0], dy.shape[1])
     info = {t.name: t for t in compiled.backward.args}
     return [torch.empty_like(dy)] + [dy.new_empty(info[f"d{n}"].shape(sizes), dtype=compiled.backward.dtypes[f"d{n}"])
-                                     for n in parameter_names(compiled.config)]
+                                     for n in compiled.parameter_names]
 
 
 def _layer_setup_context(ctx, inputs, output):
@@ -265,7 +266,7 @@ def _layer_setup_context(ctx, inputs, output):
     if forward_only:
         return
     compiled = _chosen_build(key, bf16_autocast, training, False)
-    names = parameter_names(compiled.config)
+    names = compiled.parameter_names
     produced = compiled.produced_names
     cast_names = _cast_names(compiled, params)
     env = {"X": x, **dict(zip(names, params)), **dict(zip(produced, output)),
@@ -395,12 +396,13 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
 def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "list[torch.Tensor]",
               training: bool, attention_mask: torch.Tensor | None = None,
               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in :func:`parameter_names`
-    order for its config, PyTorch's shapes) through the ``substation::layer_forward`` operator; differentiable in the
-    input and every parameter (the backward library runs in ``substation::layer_backward``). A stacked
-    parameter may be given as a tuple of its parts along dim 0 (``in_proj_weight`` as the Q, K, V weights
-    [I, I] each, as a Hugging Face layer holds them): a call that needs no gradient hands them to the
-    inference library apart (no copy); any other call concatenates them (differentiably).
+    """Run a compiled layer on ``hidden_states`` [B, J, I] with ``params`` (in
+    :func:`~substation.runtime.parameter_names` order for its config, PyTorch's shapes) through the
+    ``substation::layer_forward`` operator; differentiable in the input and every parameter (the backward
+    library runs in ``substation::layer_backward``). A stacked parameter may be given as a tuple of its
+    parts along dim 0 (``in_proj_weight`` as the Q, K, V weights [I, I] each, as a Hugging Face layer
+    holds them): a call that needs no gradient hands them to the inference library apart (no copy); any
+    other call concatenates them (differentiably).
 
     ``attention_mask`` follows Hugging Face: a float tensor is additive (``[B, K]``, ``[B, 1, 1, K]``
     or ``[B, 1, J, K]`` whose rows are equal); a bool or integer tensor marks keys to attend with
