@@ -12,10 +12,9 @@ first alternating) on the layer's token-wise GEMMs at :data:`ROWS` token rows (Q
 I x I, linear1: U x I, linear2: I x U) with what each library's build runs at once after them
 (:data:`EPILOGUES`: on oneDNN the biases of out_proj, linear1 and linear2 and linear1's GELU in the
 call's epilogue; on MKL linear1's bias and GELU as a pass of their own, the other biases inside the
-memory-bound kernels that follow),
-the fastest of two calls per GEMM (:func:`~substation.perf.probes.gemm_seconds`: the weights stored
-as PyTorch stores them, oneDNN's read from their packed copies as inference builds read them), summed
-over the GEMMs. oneDNN is
+memory-bound kernels that follow), the fastest of two calls per GEMM
+(:func:`~substation.perf.probes.gemm_seconds`: the weights stored as PyTorch stores them, oneDNN's
+read from their packed copies as inference builds read them), summed over the GEMMs. oneDNN is
 chosen only when it won significantly many rounds (one-sided sign test at 5%,
 :func:`~substation.perf.timing.sign_test_wins`) and its median sum is at least :data:`MIN_GAIN` below
 MKL's: a small or inconsistent lead keeps MKL.
@@ -46,8 +45,8 @@ from ..version import __version__
 from . import probes
 from .timing import sign_test_wins
 
-__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "EPILOGUES", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm", "resolve_fp32_gemm",
-           "choose_fp32_gemm"]
+__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "EPILOGUES", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm",
+           "resolve_fp32_gemm", "choose_fp32_gemm"]
 
 #: Token rows of the measured GEMMs: where inference batches spend their time (fewer than 256 rows go
 #: to MKL in either library, substation_dnnl.h).
@@ -191,8 +190,8 @@ def choose_fp32_gemm(hidden: int, ffn: int, threads: int) -> dict:
         The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
         over ``shapes``, with their epilogues), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median /
         oneDNN's), ``rows``, ``shapes`` ((m, n, k) lists), ``epilogues`` (:data:`EPILOGUES`) and
-        ``measured`` (local time). Where oneDNN or a probe library
-        cannot be built: ``library`` ``"mkl"`` and ``unavailable`` (why), with a warning, nothing recorded.
+        ``measured`` (local time). Where oneDNN or a probe library cannot be built: ``library``
+        ``"mkl"`` and ``unavailable`` (why), with a warning, nothing recorded.
 
     Raises:
         BuildError: the build cache folder cannot be created.

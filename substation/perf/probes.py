@@ -15,7 +15,8 @@ from ..backends.cpu.build import build_library
 from ..backends.cpu.gemm_libraries import FP32_GEMM_LIBRARIES, check_fp32_gemm
 from ..resources import csrc_file
 
-__all__ = ["EPILOGUES", "CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info", "openmp_threads"]
+__all__ = ["EPILOGUES", "CopyTimer", "copy_bandwidth", "fma_peak", "gemm_rate", "gemm_seconds", "machine_info",
+           "openmp_threads"]
 
 
 def _l3_bytes() -> int:
