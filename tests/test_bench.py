@@ -86,10 +86,15 @@ def test_machine_probes():
     # float32 also on oneDNN's matmul, as float32 builds with fp32_gemm="onednn" call it
     for dtype, library in (("float32", "mkl"), ("float64", "mkl"), ("float32", "onednn")):
         # the peak probed before and after the GEMMs, best of both: a VM stall during one probe
-        # (steal time) must not make the peak look lower than the GEMM rate measured in between
-        before = fma_peak(dtype)
-        rate = gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)], fp32_gemm=library)
-        peak = max(before, fma_peak(dtype))
+        # (steal time) must not make the peak look lower than the GEMM rate measured in between; other
+        # work on the cores during both peak probes (seen: float64 peak 85 GFLOP/s, GEMM 148) passes
+        # with time, a probe that claims flops it does not do stays: up to three tries
+        for _ in range(3):
+            before = fma_peak(dtype)
+            rate = gemm_rate(dtype, [(256, 256, 256), (64, 200, 96)], fp32_gemm=library)
+            peak = max(before, fma_peak(dtype))
+            if rate < 1.5 * peak:
+                break
         assert peak > 0 and 0 < rate < 1.5 * peak, (dtype, library, before, peak, rate)
     with pytest.raises(ValueError, match=r"fp32_gemm \(the library of float32 builds' token-wise GEMMs\) must be one of mkl, onednn, got 'blis'"):
         gemm_rate("float32", fp32_gemm="blis")

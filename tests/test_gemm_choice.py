@@ -2,6 +2,7 @@
 (substation.perf.gemm_choice), training builds MKL; the measurement's decision rule and its record."""
 import json
 import os
+import time
 
 import pytest
 
@@ -20,15 +21,20 @@ def unpinned(tmp_path, monkeypatch):
     choose_fp32_gemm.cache_clear()
 
 
-def fake_probe(monkeypatch, onednn_factor):
+def fake_probe(monkeypatch, onednn_factor, occupancy=1.0, threads=2):
     """gemm_seconds as a machine where oneDNN takes ``onednn_factor(round)`` of MKL's time in round
-    1, 2, ... (round 0: the discarded one)."""
+    1, 2, ... (round 0: the discarded one), the process's threads on the cores ``occupancy`` of the
+    time, ``threads`` OpenMP threads (a list: the count may change)."""
     calls = {"mkl": 0, "onednn": 0}
+    running = threads if isinstance(threads, list) else [threads]
+    monkeypatch.setattr("substation.perf.probes.openmp_threads", lambda: running[0])
+    monkeypatch.setattr(gemm_choice, "_process_seconds", lambda: time.perf_counter() * occupancy * running[0])
 
     def gemm_seconds(shapes, fp32_gemm, repeats=2, dtype="float32", packed_weights=False, epilogues=None):
         assert packed_weights  # oneDNN's calls as inference builds make them
         assert epilogues == gemm_choice.EPILOGUES[fp32_gemm]  # with what each build runs after its GEMMs
         calls[fp32_gemm] += 1
+        time.sleep(0.002)  # long against the gaps between reading the two clocks: the occupancy is as set
         scale = onednn_factor(calls["onednn"] - 1) if fp32_gemm == "onednn" else 1.0
         return [2e-9 * m * n * k * scale for m, n, k in shapes]
     monkeypatch.setattr("substation.perf.probes.gemm_seconds", gemm_seconds)
@@ -43,17 +49,42 @@ def fake_probe(monkeypatch, onednn_factor):
     (lambda i: 1.2, "mkl"),
 ])
 def test_measured_choice_and_its_record(unpinned, monkeypatch, factor, library):
-    calls = fake_probe(monkeypatch, factor)
+    threads = [2]
+    calls = fake_probe(monkeypatch, factor, threads=threads)
     record = choose_fp32_gemm(384, 1536, 2)
     assert record["library"] == library and calls == {"mkl": ROUNDS + 1, "onednn": ROUNDS + 1}
     assert record["rounds"] == ROUNDS and len(record["seconds"]["mkl"]) == ROUNDS
+    assert record["threads"] == 2 and record["occupancy"] == pytest.approx(1.0, abs=0.1)
     assert record["shapes"] == [[1024, 384, 384]] * 4 + [[1024, 1536, 384], [1024, 384, 1536]]
     files = [f for f in os.listdir(unpinned / "tune") if f.endswith(".json")]
     assert len(files) == 1 and files[0].startswith("fp32-gemm-")
     assert json.loads((unpinned / "tune" / files[0]).read_text()) == record
     choose_fp32_gemm.cache_clear()  # another process: reads the record, measures nothing
     assert choose_fp32_gemm(384, 1536, 2) == record and calls == {"mkl": ROUNDS + 1, "onednn": ROUNDS + 1}
+    with pytest.raises(ValueError, match=r"choose_fp32_gemm\(threads=1\) measures on the current OpenMP thread "
+                                         r"count, 2; set it first \(torch.set_num_threads\(1\)\)"):
+        choose_fp32_gemm(384, 1536, 1)  # a measurement due for 1 thread, run on 2: refused, nothing measured
+    assert calls["mkl"] == ROUNDS + 1
+    threads[0] = 1
     assert choose_fp32_gemm(384, 1536, 1)["library"] == library and calls["mkl"] == 2 * ROUNDS + 2  # 1 thread: its own
+
+
+def test_a_choice_measured_on_busy_cores_is_not_recorded(unpinned, monkeypatch):
+    """Other work on the cores while the libraries are timed (the process ran 40% of the rounds' time x
+    its threads): this process uses the choice, with a warning; nothing is recorded, so the next process
+    measures again, and a quiet measurement is recorded."""
+    calls = fake_probe(monkeypatch, lambda i: 0.5, occupancy=0.4)
+    with pytest.warns(UserWarning, match=r"float32 inference builds call onednn: the float32 GEMM libraries were "
+                                         r"measured while other work held the cores \(the measurement ran \d+% of its "
+                                         r"time x 2 threads\); this process keeps the choice, a later one measures again"):
+        record = choose_fp32_gemm(384, 1536, 2)
+    assert record["library"] == "onednn" and record["occupancy"] == pytest.approx(0.4, abs=0.1)
+    assert not list((unpinned / "tune").glob("*.json"))
+    assert choose_fp32_gemm(384, 1536, 2) is record  # this process: measured once
+    choose_fp32_gemm.cache_clear()  # the next process, on quiet cores
+    fake_probe(monkeypatch, lambda i: 0.5, occupancy=0.95)
+    assert choose_fp32_gemm(384, 1536, 2)["library"] == "onednn" and calls["mkl"] == ROUNDS + 1
+    assert len(list((unpinned / "tune").glob("*.json"))) == 1
 
 
 def test_an_unreadable_or_older_record_is_measured_again(unpinned, monkeypatch):

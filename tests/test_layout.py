@@ -335,6 +335,10 @@ def test_plan_round_trip(tmp_path, tiny_graphs):
     assert any(op.kind == "transpose" for g in (fwd, bwd) for op in g.operators())
     with pytest.raises(L.PlanError, match="not a layout plan"):
         L.LayoutPlan.from_json("{}")
+    broken = tmp_path / "broken.plan.json"
+    broken.write_text('{"format": 1\n"tensors"')
+    with pytest.raises(L.PlanError, match=f"layout plan '{broken}': plan is not valid JSON: Expecting ','"):
+        L.load_plan(str(broken))  # the file is named, as a config file's error names the file
     bad = L.LayoutPlan({"X": "JBI"})
     with pytest.raises(L.PlanError, match="exchanges X with PyTorch"):
         L.apply_plan(*tiny_graphs, bad)

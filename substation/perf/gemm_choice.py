@@ -20,7 +20,8 @@ chosen only when it won significantly many rounds (one-sided sign test at 5%,
 MKL's: a small or inconsistent lead keeps MKL.
 The choice is recorded per CPU, OpenMP thread count, library versions and (I, U) in
 ``<build cache>/tune/fp32-gemm-<key>.json`` (written atomically) and measured once, by one process at
-a time; ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes the inference builds'
+a time, unless other work held the cores while it measured (:data:`MIN_OCCUPANCY`: then the process
+keeps its choice and a later process measures again); ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes the inference builds'
 library instead (reproducible runs, a machine whose record is wrong); training builds call MKL
 either way.
 
@@ -45,7 +46,7 @@ from ..version import __version__
 from . import probes
 from .timing import sign_test_wins
 
-__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "EPILOGUES", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm",
+__all__ = ["ROWS", "ROUNDS", "MIN_GAIN", "MIN_OCCUPANCY", "EPILOGUES", "ENVIRONMENT", "gemm_label", "fixed_fp32_gemm",
            "resolve_fp32_gemm", "choose_fp32_gemm"]
 
 #: Token rows of the measured GEMMs: where inference batches spend their time (fewer than 256 rows go
@@ -57,6 +58,10 @@ ROUNDS = 9
 MIN_GAIN = 0.03
 #: The environment variable that fixes float32 inference builds' library under ``"auto"``.
 ENVIRONMENT = "SUBSTATION_FP32_GEMM"
+#: The least share of the measurement's wall time times its threads that the process must have run on
+#: the cores (CPU seconds over wall seconds x threads, :func:`_process_seconds`) for the choice to be
+#: recorded: below it other work held the cores, and the process keeps its choice without recording it.
+MIN_OCCUPANCY = 0.8
 #: Records of another format (measured on other calls) are measured again.
 RECORD_FORMAT = "substation-fp32-gemm/3"
 #: Per library, what a float32 inference build computes with each of :func:`_shapes`' GEMMs before
@@ -126,22 +131,29 @@ def _record_path(hidden: int, ffn: int, threads: int) -> str:
     return os.path.join(cache_dir(), TUNE_FOLDER, f"fp32-gemm-{h.hexdigest()[:16]}.json")
 
 
-def _measure(hidden: int, ffn: int) -> dict:
+def _process_seconds() -> float:
+    """CPU seconds of this process so far, all its threads (:func:`time.process_time`)."""
+    return time.process_time()
+
+
+def _measure(hidden: int, ffn: int, threads: int) -> dict:
     shapes = _shapes(hidden, ffn)
     for lib in FP32_GEMM_LIBRARIES:  # a first round, discarded: libraries and threads start up
         probes.gemm_seconds(shapes, lib, repeats=1, packed_weights=True, epilogues=EPILOGUES[lib])
     seconds = {lib: [] for lib in FP32_GEMM_LIBRARIES}
+    wall, cpu = time.perf_counter(), _process_seconds()
     for r in range(ROUNDS):
         for lib in FP32_GEMM_LIBRARIES[r % 2:] + FP32_GEMM_LIBRARIES[:r % 2]:
             seconds[lib].append(sum(probes.gemm_seconds(shapes, lib, repeats=2, packed_weights=True,
                                                         epilogues=EPILOGUES[lib])))
+    occupancy = (_process_seconds() - cpu) / ((time.perf_counter() - wall) * threads)
     wins = sum(o < m for o, m in zip(seconds["onednn"], seconds["mkl"]))
     median = {lib: statistics.median(s) for lib, s in seconds.items()}
     faster = wins >= sign_test_wins(ROUNDS) and median["onednn"] <= (1 - MIN_GAIN) * median["mkl"]
     return {"format": RECORD_FORMAT, "library": "onednn" if faster else "mkl", "rows": ROWS,
             "shapes": [list(s) for s in shapes], "epilogues": EPILOGUES, "seconds": seconds, "onednn_wins": wins,
-            "rounds": ROUNDS, "speedup": median["mkl"] / median["onednn"],
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "rounds": ROUNDS, "speedup": median["mkl"] / median["onednn"], "threads": threads,
+            "occupancy": occupancy, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def _read_record(path: str) -> dict | None:
@@ -189,12 +201,16 @@ def choose_fp32_gemm(hidden: int, ffn: int, threads: int) -> dict:
     Returns:
         The record: ``library`` (``"mkl"`` or ``"onednn"``), ``seconds`` (per library, each round's sum
         over ``shapes``, with their epilogues), ``onednn_wins`` of ``rounds``, ``speedup`` (MKL's median /
-        oneDNN's), ``rows``, ``shapes`` ((m, n, k) lists), ``epilogues`` (:data:`EPILOGUES`) and
-        ``measured`` (local time). Where oneDNN or a probe library cannot be built: ``library``
-        ``"mkl"`` and ``unavailable`` (why), with a warning, nothing recorded.
+        oneDNN's), ``rows``, ``shapes`` ((m, n, k) lists), ``epilogues`` (:data:`EPILOGUES`),
+        ``threads``, ``occupancy`` (the process's CPU seconds over the rounds' wall seconds x threads)
+        and ``measured`` (local time). A measurement with ``occupancy`` under :data:`MIN_OCCUPANCY`
+        (other work held the cores) is used by this process but not recorded, with a warning. Where
+        oneDNN or a probe library cannot be built: ``library`` ``"mkl"`` and ``unavailable`` (why),
+        with a warning, nothing recorded.
 
     Raises:
-        BuildError: the build cache folder cannot be created.
+        BuildError: the build cache folder cannot be created. ValueError: a measurement is due and
+            ``threads`` is not the current OpenMP thread count.
     """
     try:
         onednn()
@@ -209,9 +225,19 @@ def choose_fp32_gemm(hidden: int, ffn: int, threads: int) -> dict:
         if record is not None:
             return record
         try:
-            record = _measure(hidden, ffn)
+            running = probes.openmp_threads()
+            if threads != running:
+                raise ValueError(f"choose_fp32_gemm(threads={threads}) measures on the current OpenMP thread count, "
+                                 f"{running}; set it first (torch.set_num_threads({threads}))")
+            record = _measure(hidden, ffn, threads)
         except (BuildError, ToolchainError, RuntimeError) as e:
             return _unmeasured(e)
+        if record["occupancy"] < MIN_OCCUPANCY:
+            warnings.warn(f"float32 inference builds call {record['library']}: the float32 GEMM libraries were measured "
+                          f"while other work held the cores (the measurement ran {record['occupancy']:.0%} of its time "
+                          f"x {threads} threads); this process keeps the choice, a later one measures again",
+                          stacklevel=3)
+            return record
         try:
             atomic_write_text(path, json.dumps(record, indent=1))
         except OSError:

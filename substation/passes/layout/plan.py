@@ -124,9 +124,13 @@ class LayoutPlan:
 
     @classmethod
     def load(cls, path: str) -> "LayoutPlan":
-        """Raises FileNotFoundError, PlanError."""
+        """Raises FileNotFoundError, PlanError (naming ``path``)."""
         with open(path) as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        try:
+            return cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"layout plan {os.fspath(path)!r}: {e}") from None
 
 
 def load_plan(plan) -> LayoutPlan | None:
