@@ -115,6 +115,7 @@ def cmd_compile(args) -> int:
     from .perf.baselines import padding_mask, real_token_error
     from .perf.gemm_choice import gemm_label
     from .perf.timing import Candidate, interleaved_times
+    from .passes.layout import load_plan
     from .pipeline import Pipeline, compile_layer
     from .reference import ReferenceEncoderLayer
 
@@ -123,6 +124,8 @@ def cmd_compile(args) -> int:
         config = config.replace(**{k: v for k, v in (("target", args.target), ("cuda_arch", args.cuda_arch)) if v})
     out = args.out or os.path.join("out", config.name)
     check_output_dir(out)  # before the pipeline: a refused --out costs no compile
+    if args.layout:
+        load_plan(args.layout)  # a missing or malformed plan is named before the progress bar starts
     names = Pipeline().names
     bar = tqdm(total=len(names), desc=f"compile {config.name}", unit="pass", file=sys.stderr)
 

@@ -157,6 +157,17 @@ def test_a_bad_fp32_gemm_environment_is_named_before_any_work(capsys, monkeypatc
     assert main(["cache"]) == 0  # builds nothing: the variable does not matter there
 
 
+def test_a_bad_layout_plan_is_named_before_any_work(capsys, tmp_path):
+    assert main(["compile", "tiny", "--out", str(tmp_path / "out"), "--layout", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"substation: error: no layout plan '{tmp_path / 'none.json'}': no such file, nor a bundled plan" in err
+    assert "compile tiny" not in err and not (tmp_path / "out").exists()  # no progress bar, no output
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    assert main(["compile", "tiny", "--out", str(tmp_path / "out"), "--layout", str(broken)]) == 2
+    assert f"substation: error: layout plan '{broken}': plan is not valid JSON" in capsys.readouterr().err
+
+
 def test_version(capsys):
     from substation import __version__
     with pytest.raises(SystemExit) as done:

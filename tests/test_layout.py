@@ -420,6 +420,7 @@ def test_a_budget_too_small_to_measure_says_so(tmp_path):
                     log=lines.append)
     assert result.report["measured_candidates"] == 0 and result.plan is not None
     assert any("a budget of 30 s leaves no time to measure" in line for line in lines), lines
+    assert result.plan.meta["costs"] == "analytic"  # the plan says what its choices rest on
 
 
 def test_dropout_masks_do_not_depend_on_layouts(tiny_graphs):

@@ -266,7 +266,8 @@ class TuneResult:
     """What :func:`tune` found.
 
     Attributes:
-        plan: the tuned :class:`LayoutPlan` (``costs: measured``).
+        plan: the tuned :class:`LayoutPlan` (``costs: measured``, or ``analytic`` where the budget left
+            no time to measure a candidate).
         solution: the final :class:`Solution` (seconds from measurements where available).
         problem: the final :class:`LayoutProblem` (with measured candidates and calibrations).
         report: figures: rounds, measured candidates, unmeasured choices left, tune and solve seconds.
@@ -439,13 +440,14 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
             ov.modes = []
     sol = solve(problem, time_limit)
     unmeasured = [k for k in ops if sol.choice[k] != "measured"]
+    costs = "measured" if any(measured.values()) else "analytic"  # no time to measure: the model's alone
     verification = None
     changed = (any(sol.layouts[t] != tv.dims for t, tv in problem.tensors.items()) or sol.transposes
                or any(ov.kind == "row" and ov.default and sol.options[k].get("vector") != ov.default.options.get("vector")
                       for k, ov in problem.ops.items()))
     if changed and verify:
         say(f"verifying: {verify} interleaved forward+backward rounds, default vs tuned layouts")
-        plan = plan_from_solution(problem, sol, costs="measured")
+        plan = plan_from_solution(problem, sol, costs=costs)
         v = compare_layouts(config, plan, repeats=verify, warmup=1)
         need = sign_test_wins(verify, alpha)
         adopted = v["tuned_wins"] >= need and v["tuned_seconds"] < v["default_seconds"]
@@ -465,7 +467,7 @@ def tune(config, fuse: bool = True, budget_s: float = 900.0, rounds: int = 3, li
               "analytic_objective_seconds": analytic.objective, "transpose_scale": problem.transpose_scale,
               "verification": verification,
               "machine": {"bandwidth": model.bandwidth, "gemm_flops": model.gemm_flops}}
-    plan = plan_from_solution(problem, sol, costs="measured",
+    plan = plan_from_solution(problem, sol, costs=costs,
                               tune={k: report[k] for k in ("tune_seconds", "rounds", "measured_candidates",
                                                            "measured_transposes", "unmeasured_choices",
                                                            "verification")})
