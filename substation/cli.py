@@ -22,6 +22,12 @@ REFERENCE_CONFIGS = ("bert-base", "bert-large-b8-l512", "bert-large-b96-l128", "
 CHECK_TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 
 
+def _refused(message: str) -> int:
+    """Print ``substation: error: <message>`` to stderr; the exit status of a refused command, 2."""
+    print(f"substation: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _write_build(folder: str, compiled, report: dict, source_suffix: str) -> None:
     """The files of ``substation compile``: both SDFGs, generated sources, libraries, report.json."""
     compiled.forward.graph.save(os.path.join(folder, "forward.sdfg"))
@@ -124,8 +130,7 @@ def cmd_compile(args) -> int:
         config = config.replace(**{k: v for k, v in (("target", args.target), ("cuda_arch", args.cuda_arch)) if v})
     out = args.out or os.path.join("out", config.name)
     check_output_dir(out)  # before the pipeline: a refused --out costs no compile
-    if args.layout:
-        load_plan(args.layout)  # a missing or malformed plan is named before the progress bar starts
+    load_plan(args.layout)  # a missing or malformed plan is named before the progress bar starts
     names = Pipeline().names
     bar = tqdm(total=len(names), desc=f"compile {config.name}", unit="pass", file=sys.stderr)
 
@@ -229,24 +234,18 @@ def cmd_report(args) -> int:
         extra = [flag for flag, on in (("--optimized", args.optimized), ("--measure", args.measure),
                                        ("--json", args.json), ("--plot", args.plot)) if on]
         if extra:
-            print(f"substation: error: --kernels lists the kernels only; it does not take {', '.join(extra)}",
-                  file=sys.stderr)
-            return 2
+            return _refused(f"--kernels lists the kernels only; it does not take {', '.join(extra)}")
         print(format_kernels(analyze(args.config, optimized=not args.no_fuse, mode=mode, fp32_gemm=args.fp32_gemm)))
         return 0
     if args.no_fuse:
-        print("substation: error: --no-fuse goes with --kernels (--optimized chooses the fused graphs otherwise)",
-              file=sys.stderr)
-        return 2
+        return _refused("--no-fuse goes with --kernels (--optimized chooses the fused graphs otherwise)")
     try:
         analysis = analyze(args.config, optimized=args.optimized, mode=mode, fp32_gemm=args.fp32_gemm)
     except NotImplementedError as e:
-        print(f"substation: error: --optimized: {e}", file=sys.stderr)
-        return 2
+        return _refused(f"--optimized: {e}")
     if args.measure:
         if args.repeats < 1:
-            print(f"substation: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
-            return 2
+            return _refused(f"--repeats must be >= 1, got {args.repeats}")
         analysis = analysis.with_measurement(measure(analysis.config, repeats=args.repeats, optimized=args.optimized,
                                                      mode=mode, fp32_gemm=analysis.fp32_gemm or "auto"))
     print(format_report(analysis))
@@ -258,36 +257,29 @@ def cmd_bench(args) -> int:
     from .perf import bench, bench_report
 
     if args.repeats < 1 or args.warmup < 0:
-        print(f"substation: error: need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}",
-              file=sys.stderr)
-        return 2
+        return _refused(f"need --repeats >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     if args.mode == "eval" and (args.kernels or args.compare_layouts or args.layout):
-        print("substation: error: --mode eval times the inference build; it does not take --kernels, "
-              "--compare-layouts or --layout", file=sys.stderr)
-        return 2
+        return _refused("--mode eval times the inference build; it does not take --kernels, "
+                        "--compare-layouts or --layout")
     if args.dtype and (args.kernels or args.compare_layouts):
-        print("substation: error: --dtype applies to the Substation vs PyTorch comparison; for --kernels or "
-              "--compare-layouts set the config's dtype key", file=sys.stderr)
-        return 2
+        return _refused("--dtype applies to the Substation vs PyTorch comparison; for --kernels or "
+                        "--compare-layouts set the config's dtype key")
     if args.fp32_gemm != "auto" and (args.compare_layouts or args.attention_lengths is not None):
-        print("substation: error: --fp32-gemm applies to the Substation vs PyTorch comparison and --kernels; "
-              "--compare-layouts and --attention-lengths use the default library", file=sys.stderr)
-        return 2
+        return _refused("--fp32-gemm applies to the Substation vs PyTorch comparison and --kernels; "
+                        "--compare-layouts and --attention-lengths use the default library")
     if args.attention_lengths is not None:
         from .perf import bench_attention
         if args.kernels or args.compare_layouts or args.mode or args.layout or args.batch_size or args.seq_len \
                 or args.plot:
-            print("substation: error: --attention-lengths times the inference build at those lengths (B keeps the "
-                  "config's token count); it takes no --kernels, --compare-layouts, --mode, --layout, "
-                  "--batch-size, --seq-len or --plot", file=sys.stderr)
-            return 2
+            return _refused("--attention-lengths times the inference build at those lengths (B keeps the "
+                            "config's token count); it takes no --kernels, --compare-layouts, --mode, --layout, "
+                            "--batch-size, --seq-len or --plot")
         try:
             result = bench_attention.run_bench_attention(
                 args.config, args.attention_lengths, repeats=args.repeats, warmup=args.warmup, dtype=args.dtype,
                 progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
         except ValueError as e:
-            print(f"substation: error: {e}", file=sys.stderr)
-            return 2
+            return _refused(str(e))
         print(bench_attention.format_bench_attention(result))
         return _write_outputs(args, result, bench_report.write_json, None)
     if args.compare_layouts:
@@ -318,18 +310,14 @@ def cmd_bench_model(args) -> int:
     given = [flag for flag, value in (("--head", args.head), ("--batch", args.batch), ("--seq-len", args.seq_len),
                                       ("--plot", args.plot)) if value is not None]
     if not train and given:
-        print(f"substation: error: --mode eval times the shapes of --shapes; it does not take {', '.join(given)}",
-              file=sys.stderr)
-        return 2
+        return _refused(f"--mode eval times the shapes of --shapes; it does not take {', '.join(given)}")
     if train and (args.shapes is not None or args.no_ort or args.dtype is not None):
-        print("substation: error: --shapes, --no-ort and --dtype go with --mode eval", file=sys.stderr)
-        return 2
+        return _refused("--shapes, --no-ort and --dtype go with --mode eval")
     batch, seq_len = (8 if args.batch is None else args.batch), (128 if args.seq_len is None else args.seq_len)
     for flag, value, least in (("--batch", batch, 1), ("--seq-len", seq_len, 1),
                                ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
         if value < least:
-            print(f"substation: error: {flag} must be >= {least}, got {value}", file=sys.stderr)
-            return 2
+            return _refused(f"{flag} must be >= {least}, got {value}")
     say = (lambda msg: print(f"[bench-model] {msg}", file=sys.stderr, flush=True))
     try:
         spec = bench_model.model_spec(args.model or ("bert-base" if train else "minilm-l6"))
@@ -346,8 +334,7 @@ def cmd_bench_model(args) -> int:
                 progress=say)
             text = bench_model_eval.format_bench_model_eval(result)
     except (ValueError, ImportError) as e:
-        print(f"substation: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(str(e))
     print(text)
     return _write_outputs(args, result, bench_report.write_json, bench_model.plot_bench_model)
 
@@ -362,11 +349,9 @@ def _write_outputs(args, result, write_json, plot) -> int:
             plot(result, args.plot)
             print(f"wrote {args.plot}")
     except ImportError as e:
-        print(f"substation: error: --plot needs matplotlib ({e})", file=sys.stderr)
-        return 2
+        return _refused(f"--plot needs matplotlib ({e})")
     except OSError as e:
-        print(f"substation: error: cannot write the results: {e}", file=sys.stderr)
-        return 2
+        return _refused(f"cannot write the results: {e}")
     return 0
 
 
@@ -377,8 +362,7 @@ def cmd_tune(args) -> int:
 
     config = load_config(args.config)
     if args.target != config.target:
-        print(f"substation: error: --target {args.target} but the config targets {config.target}", file=sys.stderr)
-        return 2
+        return _refused(f"--target {args.target} but the config targets {config.target}")
     out = check_writable(args.out or f"{config.name}.plan.json", "--out")  # before the measurements
     result = tune(config, fuse=not args.no_fuse, budget_s=args.budget, repeats=args.repeats,
                   log=lambda s: print(s, file=sys.stderr))
@@ -600,8 +584,7 @@ def main(argv=None) -> int:
         if args.func not in (cmd_cache, cmd_graphs):  # the commands that build layers
             fixed_fp32_gemm()  # a bad $SUBSTATION_FP32_GEMM is named before any work
     except ValueError as e:
-        print(f"substation: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(str(e))
     try:
         empty = [flag for flag in ("json", "plot", "out") if getattr(args, flag, None) == ""]
         if empty:
@@ -619,5 +602,4 @@ def main(argv=None) -> int:
         return 141  # 128 + SIGPIPE, a shell's status for a command the pipe ended
     except (ConfigError, OSError, LayoutError, ToolchainError, BuildError, PlanError, LayoutInfeasible,
             OutputError) as e:
-        print(f"substation: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(str(e))
