@@ -21,9 +21,9 @@ MKL's: a small or inconsistent lead keeps MKL.
 The choice is recorded per CPU, OpenMP thread count, library versions and (I, U) in
 ``<build cache>/tune/fp32-gemm-<key>.json`` (written atomically) and measured once, by one process at
 a time, unless other work held the cores while it measured (:data:`MIN_OCCUPANCY`: then the process
-keeps its choice and a later process measures again); ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in the environment fixes the inference builds'
-library instead (reproducible runs, a machine whose record is wrong); training builds call MKL
-either way.
+keeps its choice and a later process measures again); ``SUBSTATION_FP32_GEMM=mkl`` or ``onednn`` in
+the environment fixes the inference builds' library instead (reproducible runs, a machine whose record
+is wrong); training builds call MKL either way.
 
 Units: seconds.
 """
@@ -233,10 +233,10 @@ def choose_fp32_gemm(hidden: int, ffn: int, threads: int) -> dict:
         except (BuildError, ToolchainError, RuntimeError) as e:
             return _unmeasured(e)
         if record["occupancy"] < MIN_OCCUPANCY:
-            warnings.warn(f"float32 inference builds call {record['library']}: the float32 GEMM libraries were measured "
-                          f"while other work held the cores (the measurement ran {record['occupancy']:.0%} of its time "
-                          f"x {threads} threads); this process keeps the choice, a later one measures again",
-                          stacklevel=3)
+            warnings.warn(f"float32 inference builds call {record['library']}: the float32 GEMM libraries were "
+                          f"measured while other work held the cores (the measurement ran "
+                          f"{record['occupancy']:.0%} of its time x {threads} threads); this process keeps the "
+                          f"choice, a later one measures again", stacklevel=3)
             return record
         try:
             atomic_write_text(path, json.dumps(record, indent=1))
