@@ -1,5 +1,6 @@
 // The token-wise GEMMs of float32 and float64 CPU builds: MKL's ?gemm, with the threads split by
-// columns at few rows.
+// columns at few rows; and the epilogue (bias, activation) of a float32 product, as one pass after an
+// MKL call (oneDNN applies it as post-ops: substation_dnnl.h).
 //
 // Below kSplitRows rows of C, MKL's own threading leaves much of the cores' time unused: MiniLM's four
 // weight GEMMs of six layers, 2 threads, AMD Zen 4, one process, took 6.3-6.8 ms at 24 rows as single
@@ -13,6 +14,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "substation_cpu.h"
 
 namespace ss {
 
@@ -50,6 +53,46 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
     const int previous = mkl_set_num_threads_local(1);
     blas_gemm(trans_a, trans_b, m, n1 - n0, k, alpha, a, lda, trans_b ? b + n0 * ldb : b + n0, ldb, c + n0, ldc);
     mkl_set_num_threads_local(previous);
+  }
+}
+
+// A bias added to the float32 accumulators before the result is stored (the GEMM epilogue): element
+// strides along C's rows (m), columns (n) and each batch letter; 0 broadcasts it along that one.
+struct GemmBias {
+  const void* data = nullptr;  // of the operands' element type
+  int64_t m = 0, n = 0, batch[3] = {0, 0, 0};
+};
+
+// A function applied to the float32 accumulators after the bias, before rounding (oneDNN's eltwise
+// post-ops eltwise_gelu_erf, eltwise_gelu_tanh, eltwise_relu): the activation epilogue.
+enum class GemmActivation : int { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
+
+// The epilogue of a float32 product computed without one (MKL): C[m, n] = activation(C + bias).
+inline void float_epilogue(int64_t m, int64_t n, float* c, int64_t ldc, const GemmBias& bias, GemmActivation activation) {
+  const float* b = static_cast<const float*>(bias.data);
+#pragma omp parallel for if (m * n >= kParallelMinElements)
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = c + i * ldc;
+    if (b) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) row[j] += b[i * bias.m + j * bias.n];
+    }
+    switch (activation) {
+      case GemmActivation::gelu:
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = gelu(row[j]);
+        break;
+      case GemmActivation::gelu_tanh:
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = gelu_tanh(row[j]);
+        break;
+      case GemmActivation::relu:
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] = std::max(row[j], 0.0f);
+        break;
+      case GemmActivation::none:
+        break;
+    }
   }
 }
 

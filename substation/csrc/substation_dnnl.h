@@ -40,17 +40,6 @@ struct GemmBatch {
   int64_t size[3] = {1, 1, 1}, a[3] = {0, 0, 0}, b[3] = {0, 0, 0}, c[3] = {0, 0, 0};
 };
 
-// A bias added to the float32 accumulators before the result is stored (the GEMM epilogue): element
-// strides along C's rows (m), columns (n) and each batch letter; 0 broadcasts it along that one.
-struct GemmBias {
-  const void* data = nullptr;  // of the operands' element type
-  int64_t m = 0, n = 0, batch[3] = {0, 0, 0};
-};
-
-// A function applied to the float32 accumulators after the bias, before rounding (oneDNN's eltwise
-// post-ops eltwise_gelu_erf, eltwise_gelu_tanh, eltwise_relu): the activation epilogue.
-enum class GemmActivation : int { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
-
 struct MatmulEntry {
   dnnl::matmul primitive;
   dnnl::memory::desc a, b, c, bias, scratchpad;
@@ -167,35 +156,6 @@ template <typename T, typename TB>
 inline int matmul_once(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a, int64_t lda,
                 const TB* b, int64_t ldb, void* c, int64_t ldc, bool c_f32, const GemmBatch& batch,
                 const GemmBias& bias, GemmActivation activation, bool b_parameter, bool accumulate);
-
-// The epilogue of a float32 product computed without one (MKL): C[m, n] = activation(C + bias).
-inline void float_epilogue(int64_t m, int64_t n, float* c, int64_t ldc, const GemmBias& bias, GemmActivation activation) {
-  const float* b = static_cast<const float*>(bias.data);
-#pragma omp parallel for if (m * n >= kParallelMinElements)
-  for (int64_t i = 0; i < m; ++i) {
-    float* row = c + i * ldc;
-    if (b) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) row[j] += b[i * bias.m + j * bias.n];
-    }
-    switch (activation) {
-      case GemmActivation::gelu:
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] = gelu(row[j]);
-        break;
-      case GemmActivation::gelu_tanh:
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] = gelu_tanh(row[j]);
-        break;
-      case GemmActivation::relu:
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] = std::max(row[j], 0.0f);
-        break;
-      case GemmActivation::none:
-        break;
-    }
-  }
-}
 
 // C[batch, m, n] = alpha * op(A)[batch, m, k] op(B)[batch, k, n] (+ bias), row-major with leading
 // dimensions lda, ldb, ldc as in cblas_sgemm (beta 0), then the activation; T (the operands' and the

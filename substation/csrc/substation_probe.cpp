@@ -8,28 +8,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "substation_cpu.h"  // ss::gelu, as the generated kernels compute it
-
-// D[m x n] = C + bias (with gelu: its GELU, ss::gelu) in one pass over C on all threads, as the
-// element-wise kernel that follows a float32 GEMM on MKL where the product needs its bias at once (BA).
-static void bias_pass(int64_t m, int64_t n, const float* c, const float* bias, bool gelu, float* d) {
-#pragma omp parallel for
-  for (int64_t i = 0; i < m; ++i) {
-    const float* row = c + i * n;
-    float* out = d + i * n;
-    if (gelu) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) out[j] = ss::gelu(row[j] + bias[j]);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) out[j] = row[j] + bias[j];
-    }
-  }
-}
+#include "substation_blas.h"  // ss::float_epilogue, the pass an MKL build runs after a GEMM
 
 // Seconds of the fastest of `repeats` row-major C[m x n] = A[m x k] W[n x k]^T calls (float or
 // double, all threads; W stored as a PyTorch Linear weight, as the layers' GEMMs read theirs), each
-// followed, for float, by the pass of `epilogue` (0: none, 1: bias_pass, 2: bias_pass with GELU); one
+// followed, for float, by `epilogue` in one pass over C on all threads (ss::float_epilogue: 0 none,
+// 1 the bias, 2 the bias and GELU, as an MKL build's bias-GELU kernel BA computes it); one
 // untimed call comes first. Negative: an epilogue for double.
 extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k, int32_t repeats,
                                                 int32_t use_double, int32_t epilogue) {
@@ -38,14 +22,16 @@ extern "C" double substation_probe_gemm_seconds(int64_t m, int64_t n, int64_t k,
   auto run = [&](auto zero) {
     using T = decltype(zero);
     std::vector<T> a((size_t)(m * k), T(1) / T(3)), b((size_t)(k * n), T(2) / T(3)), c((size_t)(m * n), T(0));
-    std::vector<T> bias(epilogue ? (size_t)n : 0, T(1) / T(7)), d(epilogue ? (size_t)(m * n) : 0);
+    std::vector<T> bias(epilogue ? (size_t)n : 0, T(1) / T(7));
     for (int32_t r = 0; r < repeats + 1; ++r) {
       const double t0 = omp_get_wtime();
       if constexpr (sizeof(T) == 8) {
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0, a.data(), k, b.data(), k, 0.0, c.data(), n);
       } else {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
-        if (epilogue) bias_pass(m, n, c.data(), bias.data(), epilogue == 2, d.data());
+        if (epilogue)
+          ss::float_epilogue(m, n, c.data(), n, ss::GemmBias{bias.data(), 0, 1},
+                             epilogue == 2 ? ss::GemmActivation::gelu : ss::GemmActivation::none);
       }
       if (r > 0) best = std::min(best, omp_get_wtime() - t0);
     }
