@@ -291,6 +291,31 @@ def test_packed_inference_reads_and_writes_rows_through_indices(fp32_layer):
     assert _rel(y[~pad], exact.detach()[~pad]) < 3e-2 and float(y[pad].abs().max()) == 0.0
 
 
+def test_autocast_inference_compiles_the_bf16_forward_alone(fp32_layer):
+    """A call under autocast that needs no gradient asks for the bfloat16 forward-only build directly
+    (``autocast_build(mode="eval")``), never for the bfloat16 training build; that build is the one the
+    training build's :meth:`forward_only` gives (one memoised build), and its output matches float64."""
+    compiled = fp32_layer.compiled
+    original = compiled.autocast_build
+    asked = []
+
+    def recording(**overrides):
+        asked.append(overrides)
+        return original(**overrides)
+    x, pad, mask = _inputs()
+    compiled.autocast_build = recording
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fp32_layer.eval()(x, key_padding_mask=pad)
+    finally:
+        compiled.autocast_build = original
+        fp32_layer.train()
+    assert asked == [{"mode": "eval"}]
+    assert original(mode="eval") is original().forward_only()
+    exact = reference_for(fp32_layer)(x.double(), mask)
+    assert _rel(y[~pad], exact.detach()[~pad]) < 3e-2 and float(y[pad].abs().max()) == 0.0
+
+
 def test_autocast_inference_packs_float32_master_weights_without_a_cast(fp32_layer):
     """Under autocast a float32 layer's inference build takes the weights its GEMMs pack as float32 (no
     cast per call; biases are still cast): the result equals that of the build that takes every weight

@@ -166,6 +166,13 @@ def test_a_bad_layout_plan_is_named_before_any_work(capsys, tmp_path):
     broken.write_text("{")
     assert main(["compile", "tiny", "--out", str(tmp_path / "out"), "--layout", str(broken)]) == 2
     assert f"substation: error: layout plan '{broken}': plan is not valid JSON" in capsys.readouterr().err
+    assert main(["compile", "tiny", "--out", str(tmp_path / "out"), "--layout", str(tmp_path)]) == 2
+    assert f"substation: error: layout plan '{tmp_path}' is a folder; give a plan JSON file" in capsys.readouterr().err
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert main(["compile", "tiny", "--out", str(tmp_path / "out"), "--layout", str(binary)]) == 2
+    assert f"substation: error: layout plan '{binary}' is not a text (JSON) file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_version(capsys):

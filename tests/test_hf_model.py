@@ -370,6 +370,8 @@ def test_meta_device_model_converted_then_loaded():
     hidden = torch.randn(B, J, I, dtype=torch.float64)
     with pytest.raises(ValueError, match="meta device .* load the weights"):
         empty.encoder.layer[0](hidden)
+    with pytest.raises(ValueError, match=r"hidden_states is on the meta device: the model's weights are not loaded"):
+        empty(input_ids=text_inputs(23)["input_ids"])  # the embeddings' output is on the meta device too
     empty.load_state_dict(plain.state_dict(), assign=True)
     for name, buffer in plain.named_buffers():     # non-persistent buffers (position ids), as from_pretrained does
         module, _, leaf = name.rpartition(".")

@@ -288,7 +288,9 @@ def test_varlen_rejects_bad_offsets():
             (torch.tensor([0, 4, 9]), ValueError, "end at N = 10"),
             (torch.tensor([0, 10], device="meta"), ValueError, "meta device"),
             (torch.tensor([[0, 10]]), ValueError, "1-D"),
-            (torch.tensor([0.0, 10.0]), TypeError, "integer")):
+            (torch.tensor([0.0, 10.0]), TypeError, "integer"),
+            (torch.tensor([0, 10], dtype=torch.complex64), TypeError, "integer tensor, got torch.complex64"),
+            (torch.tensor([0, 10], dtype=torch.bool), TypeError, "integer")):
         with pytest.raises(error, match=words):
             layer.forward_varlen(x, cu)
     with pytest.raises(ValueError, match=r"\[N, I\]"):

@@ -353,14 +353,15 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
     threads = machine["threads"]
     torch.set_num_threads(threads)
 
-    say(f"loading {spec.name} five times (float64 reference, {', '.join(IMPLEMENTATIONS)})")
-    reference = _load(spec.weights).double()
-    models = {n: _load(spec.weights) for n in IMPLEMENTATIONS}
-    plain_bert = models["hf_compile"][0].model
     ort = {"skipped": None}
     missing = _ort_missing() if include_ort else "left out (include_ort=False / --no-ort)"
     if dtype == "bfloat16" and missing is None:
         missing = "float32 only (its CPU execution provider has no bfloat16 kernels for this model)"
+    loaded = [n for n in IMPLEMENTATIONS if n != "ort" or missing is None]  # hf_compile's: also the plain BertModel
+    say(f"loading {spec.name} {1 + len(loaded)} times (float64 reference, {', '.join(loaded)})")
+    reference = _load(spec.weights).double()
+    models = {n: _load(spec.weights) for n in loaded}
+    plain_bert = models["hf_compile"][0].model
     if missing is None:
         say("ONNX Runtime: torch.onnx.export, onnxruntime.transformers.optimizer, session")
         _, features = sentence_batch(models["ort"], 2, 16, seed)
@@ -370,7 +371,6 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
         ort.update(facts)
     else:
         ort["skipped"] = missing
-        del models["ort"]
     if not include_compile:
         del models["hf_compile"]
     say("substation.optimize and the inference builds")
@@ -378,9 +378,8 @@ def run_bench_model_eval(model: str | ModelSpec = "minilm-l6", shapes=SHAPES, ro
     optimize(models["substation"], fp32_gemm=fp32_gemm)
     optimize_seconds = time.perf_counter() - t0
     replaced, builds = compiled_layers(models["substation"])
-    if dtype == "bfloat16":
-        builds = {k: c.for_autocast() for k, c in builds.items()}
-    inference = [c.forward_only() for c in builds.values()]
+    inference = [c.for_autocast(forward_only=True) if dtype == "bfloat16" else c.forward_only()
+                 for c in builds.values()]
     sub_threads = [set_substation_threads(c, threads) for c in (*builds.values(), *inference)]
 
     results = {}

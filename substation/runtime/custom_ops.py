@@ -120,10 +120,10 @@ def _chosen_build(key: str, bf16_autocast: bool, training: bool, forward_only: b
     compiled = registered_layer(key)
     if torch.compiler.is_exporting():  # fake tensors: the exported program names the layer by key only
         pin_layer(compiled)
+    if forward_only:  # under autocast without compiling the bfloat16 training build
+        return compiled.for_autocast(forward_only=True) if bf16_autocast else compiled.forward_only()
     if bf16_autocast:
         compiled = compiled.for_autocast()
-    if forward_only:
-        return compiled.forward_only()
     return compiled if training else compiled.without_dropout()
 
 
@@ -424,7 +424,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     Raises:
         TypeError: not a tensor, the wrong dtype (input or parameters), parameters on another device.
         ValueError: wrong rank or hidden size, the wrong device type (CPU vs CUDA), the wrong number of
-            parameters, parameters on the meta device (not yet loaded), or a bad mask (see :func:`check_mask`).
+            parameters, the input or parameters on the meta device (not yet loaded), or a bad mask (see
+            :func:`check_mask`).
         NotImplementedError: forward-mode AD (a tangent on the input, a mask or a parameter); a mask
             that requires grad.
     """
@@ -451,6 +452,10 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     device_type = compiled.forward.device_type
     where = "the CPU" if device_type == "cpu" else "CUDA"
     if x.device.type != device_type:
+        if x.is_meta:
+            raise ValueError("hidden_states is on the meta device: the model's weights are not loaded yet "
+                             "(a model made under torch.device('meta') runs once they are, e.g. after "
+                             "load_state_dict(..., assign=True))")
         if device_type == "cuda" and not torch.cuda.is_available():
             hint = ("; this process has no CUDA device (torch.cuda.is_available() is False): compile for "
                     "target cpu to run here")

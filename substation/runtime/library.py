@@ -335,10 +335,10 @@ class CompiledLayer:
             after unpickling).
         inference_build: ``() -> CompiledLayer``, the forward-only build of the same config (the
             pipeline supplies it; built through the cache on first use); None for the build itself.
-        autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and options (its
-            own default layout plan: a float32 plan does not carry over), run
-            under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 CPU builds on CPUs with
-            AVX512-BF16; else None).
+        autocast_build: ``() -> CompiledLayer``, the bfloat16 build of the same config and
+            options (its own default layout plan: a float32 plan does not carry over), run under
+            ``torch.autocast("cpu", dtype=torch.bfloat16)`` (float32 CPU builds on CPUs with AVX512-BF16;
+            else None); called with ``mode="eval"``: its forward-only build alone.
         autocast_note: why a float32 CPU build has no :attr:`autocast_build` (the CPU lacks
             AVX512-BF16), warned about once under bf16 autocast; else None.
         no_dropout_build: ``() -> CompiledLayer``, the training build of the same config without dropout,
@@ -394,14 +394,18 @@ class CompiledLayer:
         """
         return self if self.no_dropout_build is None else self.no_dropout_build()
 
-    def for_autocast(self) -> "CompiledLayer":
+    def for_autocast(self, forward_only: bool = False) -> "CompiledLayer":
         """The build to run under CPU bfloat16 autocast: :attr:`autocast_build` (compiled through the cache
-        on first use), else this build.
+        on first use), else this build. ``forward_only``: instead that build's forward-only build
+        (what :meth:`forward_only` of it returns), compiled without it: a call that needs no gradient
+        never compiles the bfloat16 training libraries.
 
         Raises:
             ToolchainError, BuildError: compiling the bfloat16 build failed.
         """
-        return self if self.autocast_build is None else self.autocast_build()
+        if self.autocast_build is None:
+            return self.forward_only() if forward_only else self
+        return self.autocast_build(mode="eval") if forward_only else self.autocast_build()
 
     @property
     def saved_names(self) -> list[str]:

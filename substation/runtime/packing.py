@@ -271,7 +271,8 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
             batch), on the meta device, not starting at 0, decreasing, or not ending at N (each its own
             message, with the offsets).
     """
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+            or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got "
                         f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
     if cu_seqlens.is_meta:

@@ -124,11 +124,16 @@ class LayoutPlan:
 
     @classmethod
     def load(cls, path: str) -> "LayoutPlan":
-        """Raises FileNotFoundError, PlanError (naming ``path``)."""
-        with open(path) as f:
-            text = f.read()
+        """Raises FileNotFoundError, PermissionError; PlanError (naming ``path``): a folder, not text, or
+        a malformed plan."""
         try:
-            return cls.from_json(text)
+            with open(path) as f:
+                return cls.from_json(f.read())
+        except IsADirectoryError:
+            raise PlanError(f"layout plan {os.fspath(path)!r} is a folder; give a plan JSON file "
+                            f"(written by substation tune)") from None
+        except UnicodeDecodeError:
+            raise PlanError(f"layout plan {os.fspath(path)!r} is not a text (JSON) file") from None
         except PlanError as e:
             raise PlanError(f"layout plan {os.fspath(path)!r}: {e}") from None
 
