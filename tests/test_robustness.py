@@ -720,7 +720,7 @@ def test_cli_missing_config_file(tmp_path, capsys):
 def test_tensor_errors_not_on_cpu():
     layer = make_layer(TINY)
     x = randn(2, 7, 16)
-    with pytest.raises(ValueError, match="this layer was compiled for the CPU; hidden_states is on meta"):
+    with pytest.raises(ValueError, match="hidden_states is on the meta device: the model.s weights are not loaded yet"):
         layer(x.to("meta"))
     with pytest.raises(ValueError, match="the mask must be on the CPU like hidden_states, got device meta"):
         layer(x, attention_mask=torch.zeros(2, 7, dtype=torch.float64, device="meta"))

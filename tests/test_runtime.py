@@ -196,6 +196,68 @@ def test_the_library_call_checks_dtype_shape_and_contiguity(tiny_nodrop):
             graph({**given, name: bad}, 2, 7)
 
 
+def test_bound_parameters_are_checked_once_and_used_in_place_of_tensors(tiny_nodrop):
+    """``CompiledGraph.bind`` checks parameters as ``run_into`` does and keeps their addresses: a call
+    with them bound gives bit-identical results without them in ``given``; a binding of another
+    library, an unknown name and a bad parameter are refused by name."""
+    layer = make_layer(tiny_nodrop)
+    graph = layer.compiled.forward
+    sizes = graph.graph.config.sizes(2, 7)
+    given = {t.name: torch.randn(t.shape(sizes), dtype=graph.dtypes[t.name]) for t in graph.args
+             if t.role in ("input", "param")}
+    params = {n: v for n, v in given.items() if n not in ("X", "mask")}
+    bound = graph.bind(params)
+    calls = {n: v for n, v in given.items() if n not in params}
+    assert torch.equal(graph(calls, 2, 7, bound=bound)["Y"], graph(given, 2, 7)["Y"])
+    some = graph.bind({"linear1_weight": params["linear1_weight"]})  # the others come with the call
+    assert torch.equal(graph({n: v for n, v in given.items() if n != "linear1_weight"}, 2, 7, bound=some)["Y"],
+                       graph(given, 2, 7)["Y"])
+    with pytest.raises(ValueError, match="parameters bound for the library"):
+        layer.compiled.backward.run_into({}, 2, 7, bound=bound)
+    with pytest.raises(ValueError, match="has no parameter X, nonsense"):
+        graph.bind({"X": given["X"], "nonsense": given["X"]})
+    with pytest.raises(TypeError, match="linear1_weight is torch.float32, not torch.float64"):
+        graph.bind({"linear1_weight": params["linear1_weight"].float()})
+
+
+def test_eager_calls_remember_checked_parameters_by_address_dtype_and_shape(tiny_nodrop):
+    """``run_layer`` remembers, per build, the parameters it checked and their binding to the
+    forward-only library: one entry per set of tensors, none for non-contiguous ones (copied per call),
+    a bounded number, no tensor kept alive; a parameter replaced by a new tensor (another address) or
+    given another dtype is checked again, and the call reads the new values."""
+    import weakref
+
+    from substation.runtime.library import MEMO_ENTRIES
+    layer = make_layer(tiny_nodrop).eval()
+    compiled, inference = layer.compiled, layer.compiled.forward_only()
+    compiled.checked_parameters.clear()
+    inference.bound_parameters.clear()
+    x = x_for(layer)
+    with torch.inference_mode():
+        want = layer(x)
+        assert torch.equal(layer(x), want)
+        assert len(compiled.checked_parameters) == 1 and len(inference.bound_parameters) == 1
+        old = layer.linear2_weight
+        layer.linear2_weight = torch.nn.Parameter(old.detach() * 2)
+        changed = layer(x)
+        exact = reference_for(layer)(x)
+        assert float((changed - exact).abs().max()) < 1e-12 and not torch.equal(changed, want)
+        assert len(compiled.checked_parameters) == 2 and len(inference.bound_parameters) == 2
+        dead = weakref.ref(old)
+        del old
+        assert dead() is None  # the memos hold addresses, not tensors
+        layer.linear2_weight = torch.nn.Parameter(layer.linear2_weight.detach().t().contiguous().t())
+        assert torch.equal(layer(x), changed)  # a non-contiguous weight: copied, not remembered
+        assert len(compiled.checked_parameters) == 2 and len(inference.bound_parameters) == 2
+        layer.linear2_weight.data = layer.linear2_weight.data.float()
+        with pytest.raises(TypeError, match="parameter linear2_weight is torch.float32 on cpu"):
+            layer(x)
+        for _ in range(MEMO_ENTRIES + 1):
+            layer.linear2_weight = torch.nn.Parameter(torch.randn(16, 24, dtype=torch.float64))
+            layer(x)
+        assert len(compiled.checked_parameters) <= MEMO_ENTRIES and len(inference.bound_parameters) <= MEMO_ENTRIES
+
+
 def test_dtype_change_switches_the_build(tiny_nodrop):
     layer = make_layer(tiny_nodrop)
     assert layer.to("cpu") is layer and layer.compiled.config.dtype == "float64"  # a device move keeps the dtype

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state, rebuild_for
 from ..runtime import CompiledLayer, run_layer
-from ..runtime.custom_ops import check_mask, check_mask_values, mask_differs
+from ..runtime.masks import check_mask, check_mask_values, mask_differs
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -147,7 +147,7 @@ class SubstationLayer:
         :meth:`_substation_sync` said for this call.
 
         Raises:
-            ValueError: a float mask holding NaN or +inf (:func:`~substation.runtime.custom_ops.check_mask_values`).
+            ValueError: a float mask holding NaN or +inf (:func:`~substation.runtime.masks.check_mask_values`).
         """
         if synced is not None:
             return synced

@@ -18,101 +18,15 @@ from ..config import EncoderConfig
 from ..ir.graph import size_symbol
 from ..ir.operands import STACK_LETTER
 from ..passes.precision import boundary_dtype
-from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, CompiledLayer, pin_layer, registered_layer
+from .library import ALL_TORCH_DTYPES, DTYPE_NAMES, MEMO_ENTRIES, CompiledLayer, pin_layer, registered_layer
+from .masks import check_mask, key_mask
 from .packing import computed_queries, pack_cu_seqlens, pack_key_mask, real_tokens, run_packed
 
-__all__ = ["check_mask", "check_mask_values", "key_mask", "mask_differs", "run_layer", "run_layer_varlen"]
+__all__ = ["run_layer", "run_layer_varlen"]
 
 
 def _mask_dtype(compiled: CompiledLayer) -> torch.dtype:
     return compiled.forward.dtypes.get("mask", compiled.forward.dtype)
-
-
-def _differs_along(mask: torch.Tensor, dim: int) -> bool:
-    """Whether ``mask`` holds different values along ``dim`` (a NaN counts as different): its maximum
-    and minimum along ``dim`` disagree somewhere. Two reductions, no [B, H, J, K] temporary (a
-    comparison with the first row took 3x the time on Hugging Face's [B, 1, J, K] masks)."""
-    if mask.shape[dim] == 1 or mask.stride(dim) == 0 or mask.numel() == 0:
-        return False
-    return not bool((mask.amax(dim) == mask.amin(dim)).all())
-
-
-def queries_differ(mask: torch.Tensor) -> bool:
-    """Whether a ``[B, H, J, K]`` mask's rows differ between queries j (reads the data)."""
-    return _differs_along(mask, 2)
-
-
-def heads_differ(mask: torch.Tensor) -> bool:
-    """Whether a ``[B, H, J, K]`` mask differs between heads h (reads the data)."""
-    return _differs_along(mask, 1)
-
-
-def mask_differs(mask: torch.Tensor) -> str | None:
-    """What a ``[B, H, J, K]`` mask differs between, ``"heads"`` or ``"queries"``, or None when it is a key
-    mask (every head and query row equal; reads the data)."""
-    for differs, what in ((heads_differ, "heads"), (queries_differ, "queries")):
-        if differs(mask):
-            return what
-    return None
-
-
-def check_mask_values(mask: torch.Tensor) -> None:
-    """Refuse a float (additive) mask holding NaN or +inf, and an integer mask holding other values than
-    0 and 1 (reads the data).
-
-    Raises:
-        ValueError: NaN or +inf in a float ``mask`` (every score it touches would be NaN); an integer
-            value other than 0 or 1 (an additive mask stored as integers would be read as keys to attend).
-    """
-    if not mask.numel() or mask.dtype == torch.bool:
-        return
-    if mask.is_floating_point():
-        if not bool(mask.max() < float("inf")):  # NaN if any: max propagates it
-            raise ValueError("the float (additive) attention mask holds NaN or +inf; masked keys take -inf or a "
-                             "large negative value, attended keys 0")
-        return
-    low, high = (int(v) for v in torch.aminmax(mask))
-    if low < 0 or high > 1:
-        raise ValueError(f"the integer attention mask holds values from {low} to {high}; integer and bool masks "
-                         f"hold 1 (attend) and 0 (masked) only; pass an additive mask (0 = attend, -inf or a "
-                         f"large negative value = masked) as a float tensor")
-
-
-def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq: int,
-             dtype: torch.dtype) -> torch.Tensor | None:
-    """The additive key mask ``[B, K]`` of ``dtype`` (0 = attend, -inf or the given value = masked) that
-    the compiled code reads, from a mask whose shape :func:`check_mask` accepted.
-
-    A bool or integer mask marks keys to attend (``attend_marks_true``, Hugging Face) or padding
-    (PyTorch's ``key_padding_mask``); a float mask is additive, its finite values clamped to the range
-    of ``dtype`` (float32's minimum, Hugging Face's mask value, stays finite in bfloat16, so a row
-    masked with it everywhere still attends uniformly, as in PyTorch). A 4-D ``[B, H, J, K]`` mask must be
-    the same for every head h and query j; it is reduced to its first row (checked here, on the data:
-    this runs inside the custom operator, so it is no data-dependent branch for ``torch.compile``).
-
-    Raises:
-        ValueError: a ``[B, H, J, K]`` mask that differs between heads or queries; a float mask holding
-        NaN or +inf (every score it touches would be NaN).
-    """
-    if mask is None:
-        return None
-    check_mask_values(mask)
-    if mask.dim() == 4:
-        what = mask_differs(mask)
-        if what is not None:
-            raise ValueError(f"attention_mask [B, H, J, K] differs between {what}; Substation's layer takes "
-                             f"key masks only (and mask: causal in the config); a Hugging Face drop-in "
-                             f"falls back to its own forward for such masks in eager mode, not under "
-                             f"torch.compile")
-        mask = mask[:, 0, 0, :]
-    mask = mask.expand(batch, seq)
-    if mask.dtype == torch.bool or not mask.is_floating_point():
-        attend = mask.bool() if attend_marks_true else ~mask.bool()
-        return torch.zeros(batch, seq, dtype=dtype, device=mask.device).masked_fill_(~attend, float("-inf"))
-    if mask.dtype != dtype and torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
-        low = torch.finfo(dtype)
-        mask = torch.where(mask.isinf(), mask, mask.clamp(low.min, low.max))
-    return mask.to(dtype).contiguous()
 
 
 def _chosen_build(key: str, bf16_autocast: bool, training: bool, forward_only: bool) -> CompiledLayer:
@@ -145,12 +59,6 @@ def _grouped(params: list[torch.Tensor], parts: list[int]) -> list:
     return out
 
 
-def _library_params(graph, names: list[str], params: list) -> dict:
-    """Parameters by name as ``graph`` takes them: parts kept where it takes them apart
-    (:attr:`~substation.runtime.CompiledGraph.split`), concatenated elsewhere."""
-    return {n: torch.cat(p) if isinstance(p, tuple) and n not in graph.split else p for n, p in zip(names, params)}
-
-
 _LAST_PACKING = threading.local()
 
 
@@ -180,33 +88,85 @@ def _inference_packing(mask: torch.Tensor | None, attend_marks_true: bool, batch
     return result
 
 
+def _remember(memo, key, value=None) -> None:
+    """Put ``key`` (with ``value``: a dict) into a :class:`CompiledLayer` memo, emptied when full."""
+    if len(memo) >= MEMO_ENTRIES:
+        memo.clear()
+    if isinstance(memo, dict):
+        memo[key] = value
+    else:
+        memo.add(key)
+
+
+def _library_value(graph, name: str, p):
+    """Parameter ``p`` (a tensor, or a tuple of its parts) as ``graph`` takes it: in its dtype (a float32
+    master cast), parts concatenated where it does not take them apart."""
+    dtype = graph.dtypes[name]
+    if not isinstance(p, tuple):
+        return p.to(dtype)
+    p = tuple(q.to(dtype) for q in p)
+    return p if name in graph.split else torch.cat(p)
+
+
+def _bind_parameters(compiled: CompiledLayer, params: list) -> tuple:
+    """(:class:`~substation.runtime.library.BoundParameters` of the parameters the forward library reads
+    as given, the names of those it needs anew on every call: cast copies, concatenated parts)."""
+    graph = compiled.forward
+    cast = set(_cast_names(compiled, params))
+    anew = tuple(n for n, p in zip(compiled.parameter_names, params)
+                 if n in cast or (isinstance(p, tuple) and n not in graph.split))
+    return graph.bind({n: p for n, p in zip(compiled.parameter_names, params) if n not in anew}), anew
+
+
+def _forward_only(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
+                  params: list[torch.Tensor], bf16_autocast: bool, param_parts: list[int],
+                  memo_key: tuple | None) -> torch.Tensor:
+    """Y [B, J, I] of the forward-only build (nothing saved, no dropout; :func:`run_layer`'s arguments).
+    ``memo_key``: what :func:`run_layer` checked of the parameters; their binding to the library is kept
+    under it (None: bound for this call only)."""
+    compiled = _chosen_build(key, bf16_autocast, False, True)
+    graph = compiled.forward
+    b, j, _ = x.shape
+    entry = None if memo_key is None else compiled.bound_parameters.get(memo_key)
+    if entry is None:
+        entry = _bind_parameters(compiled, _grouped(params, param_parts))  # parts: the Q, K, V weights apart
+        if memo_key is not None:
+            _remember(compiled.bound_parameters, memo_key, entry)
+    bound, anew = entry
+    given = {n: _library_value(graph, n, p) for n, p in zip(compiled.parameter_names, _grouped(params, param_parts))
+             if n in anew} if anew else {}
+    real = None
+    if compiled.config.mask != "none":
+        # With a padding mask: padded positions are zeros (but left padding's position 0:
+        # computed_queries), and padded tokens are not computed where packing saves work (CPU).
+        m, real, packed = _inference_packing(mask, attend_marks_true, b, j, _mask_dtype(compiled), compiled.config,
+                                             True, x.device.type == "cpu")
+        if packed is not None:
+            return run_packed(graph, given, x.view(b * j, -1), packed, bound).view(x.shape)
+        given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
+    y = graph({"X": x, **given}, b, j, bound=bound)["Y"]
+    return y if real is None else y.masked_fill_(~computed_queries(real).unsqueeze(-1), 0)
+
+
 def _layer_forward_impl(key: str, x: torch.Tensor, mask: Optional[torch.Tensor], attend_marks_true: bool,
                    params: list[torch.Tensor], seed: torch.Tensor, training: bool,
                    forward_only: bool, bf16_autocast: bool, param_parts: list[int]) -> list[torch.Tensor]:
-    # without gradients the inference build writes Y alone; with them and training=False, no dropout
-    compiled = _chosen_build(key, bf16_autocast, training, forward_only)
+    if forward_only:  # without gradients the inference build writes Y alone
+        return [_forward_only(key, x, mask, attend_marks_true, params, bf16_autocast, param_parts, None)]
+    # with gradients and training=False, no dropout
+    compiled = _chosen_build(key, bf16_autocast, training, False)
     b, j, _ = x.shape
     names = compiled.parameter_names
-    params = _grouped(params, param_parts)  # parts (forward-only calls only): the Q, K, V weights apart
     # float32 master weights of a half-precision build: cast once per call, kept for backward
     cast_names = _cast_names(compiled, params)
     dtypes = compiled.forward.dtypes
-    casts = {n: tuple(q.to(dtypes[n]) for q in p) if isinstance(p, tuple) else p.to(dtypes[n])
-             for n, p in zip(names, params) if n in cast_names}
-    given = {"X": x, **_library_params(compiled.forward, names, [casts.get(n, p) for n, p in zip(names, params)])}
-    real = None
+    casts = {n: p.to(dtypes[n]) for n, p in zip(names, params) if n in cast_names}
+    given = {"X": x, **{n: casts.get(n, p) for n, p in zip(names, params)}}  # stacked: run_layer concatenated
     if compiled.config.mask != "none":
-        # Inference with a padding mask: padded positions are zeros (but left padding's position 0:
-        # computed_queries), and padded tokens are not computed where packing saves work (CPU).
-        m, real, packed = _inference_packing(mask, attend_marks_true, b, j, _mask_dtype(compiled), compiled.config,
-                                             forward_only, x.device.type == "cpu")
-        if packed is not None:
-            given.pop("X")
-            return [run_packed(compiled.forward, given, x.view(b * j, -1), packed).view(x.shape)]
+        m, _, _ = _inference_packing(mask, attend_marks_true, b, j, _mask_dtype(compiled), compiled.config, False,
+                                     x.device.type == "cpu")
         given["mask"] = m if m is not None else torch.zeros(b, j, dtype=_mask_dtype(compiled), device=x.device)
     out = compiled.forward(given, b, j, int(seed.item()), training)
-    if forward_only:
-        return [out["Y"] if real is None else out["Y"].masked_fill_(~computed_queries(real).unsqueeze(-1), 0)]
     return [out[n] for n in compiled.produced_names] + [casts[n] for n in names if n in casts]
 
 
@@ -355,42 +315,38 @@ def _pieces_with_shapes(compiled: CompiledLayer, params: list) -> list:
     return out
 
 
-def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
-               what: str, padding_only: bool = False) -> None:
-    """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
+def _parameter_signature(flat: list) -> tuple | None:
+    """What :func:`run_layer` checks of each parameter tensor and its library reads: address, dtype,
+    shape, device; None if one is no tensor with storage (the full checks then name it) or is not
+    contiguous (a copy is passed, new on every call)."""
+    try:
+        signature = tuple((p.data_ptr(), p.dtype, p.shape, p.device) for p in flat)
+    except (AttributeError, RuntimeError):
+        return None
+    return signature if all(p.is_contiguous() for p in flat) else None
 
-    Accepted shapes: ``[B, K]`` and 4-D ``[B, H, J, K]`` (B, H and J may also be 1, broadcast; the
-    operator reduces a 4-D mask to its key mask after checking that its heads and rows agree). With
-    ``padding_only`` (PyTorch's ``key_padding_mask``): a bool ``[B, K]`` mask only (B may be 1).
+
+def _check_parameters(compiled: CompiledLayer, params: list, dtype: torch.dtype, cast: bool, x: torch.Tensor) -> None:
+    """:func:`run_layer`'s checks of the parameters (``cast``: float32 masters of a half-precision build
+    are accepted, cast inside the operator once per call).
 
     Raises:
-        ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
-        TypeError: not a tensor, or an unsupported dtype.
-    """
-    if config.mask == "none":
-        raise ValueError("this layer was compiled with mask: none; compile with mask: padding to pass a mask")
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{what} must be None or a tensor, got {type(mask).__name__}")
-    if mask.device.type != device.type:
-        raise ValueError(f"the mask must be on the {'CPU' if device.type == 'cpu' else device.type.upper()} "
-                         f"like hidden_states, got device {mask.device}")
-    shape = tuple(mask.shape)
-    if padding_only:
-        if mask.dtype != torch.bool:
-            raise TypeError(f"{what} must be a bool tensor [B, K] (True = padding), got {mask.dtype}")
-        if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
-            raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}] (or [1, K]), got {shape}")
-        return
-    if mask.is_complex() or mask.is_quantized:
-        raise TypeError(f"{what} has dtype {mask.dtype}; give a bool or integer mask (1 or True = attend) or "
-                        f"a floating additive one (0 = attend, -inf = masked)")
-    heads = config.num_heads
-    ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
-         (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, seq)
-          and shape[3] == seq)
-    if not ok:
-        raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}], [B, 1, 1, K], [B, 1, J, K] or "
-                         f"[B, H, J, K] with H = {heads}; got {shape}")
+        TypeError, ValueError: as :func:`run_layer` (a parameter named)."""
+    device_type = compiled.forward.device_type
+    where = "the CPU" if device_type == "cpu" else "CUDA"
+    for n, p, shape in _pieces_with_shapes(compiled, params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {n} must be a tensor (or a tuple of its parts), got {type(p).__name__}")
+        if p.is_meta:
+            raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
+                             f"before running the layer")
+        master = cast and p.dtype == torch.float32
+        if (p.dtype != dtype and not master) or p.device.type != device_type \
+                or (device_type != "cpu" and p.device != x.device):
+            raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
+                            f"{dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
+        if tuple(p.shape) != shape:
+            raise ValueError(f"parameter {n} has shape {tuple(p.shape)}; this layer takes {list(shape)}")
 
 
 def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "list[torch.Tensor]",
@@ -477,19 +433,14 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         raise ValueError(f"the layer takes {len(names)} parameters ({', '.join(names)}), got {len(params)}")
     parts = [len(p) if isinstance(p, tuple) else 1 for p in params]
     flat = [q for p in params for q in (p if isinstance(p, tuple) else (p,))]
-    for n, p, shape in _pieces_with_shapes(compiled, params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"parameter {n} must be a tensor (or a tuple of its parts), got {type(p).__name__}")
-        if p.is_meta:
-            raise ValueError(f"parameter {n} is on the meta device (weights not loaded yet): load the weights "
-                             f"before running the layer")
-        master = cast and p.dtype == torch.float32  # cast inside the operator, once per call
-        if (p.dtype != dtype and not master) or p.device.type != device_type \
-                or (device_type != "cpu" and p.device != x.device):
-            raise TypeError(f"parameter {n} is {p.dtype} on {p.device}; the layer was compiled for "
-                            f"{dtype} on {where}" + ("" if device_type == "cpu" else f" ({x.device})"))
-        if tuple(p.shape) != shape:
-            raise ValueError(f"parameter {n} has shape {tuple(p.shape)}; this layer takes {list(shape)}")
+    # The same parameter tensors come call after call: what is checked of them is remembered.
+    memo_key = _parameter_signature(flat)
+    if memo_key is not None:
+        memo_key = (memo_key, tuple(parts), dtype, cast, x.device)
+    if memo_key is None or memo_key not in compiled.checked_parameters:
+        _check_parameters(compiled, params, dtype, cast, x)
+        if memo_key is not None:
+            _remember(compiled.checked_parameters, memo_key)
     b, j, _ = x.shape
     if attention_mask is not None and key_padding_mask is not None:
         raise ValueError("pass either attention_mask or key_padding_mask, not both")
@@ -515,11 +466,15 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if not forward_only and max(parts, default=1) > 1:  # autograd sees one stacked parameter
         flat = [torch.cat(p) if isinstance(p, tuple) else p for p in params]
         parts = [1] * len(params)
-    # An eager call that needs no gradient skips the operator's dispatch (about 50 us, 5% of a 1 x 24
-    # MiniLM forward): nothing records it and autograd has nothing to do.
-    op = _layer_forward_impl if forward_only and _plain_eager(x) else _layer_forward
-    outputs = op(compiled.key, x.contiguous(), mask, key_padding_mask is None,
-                             [p if p.is_contiguous() else p.contiguous() for p in flat], seed, training,
+    if memo_key is None:  # else every parameter is contiguous
+        flat = [p if p.is_contiguous() else p.contiguous() for p in flat]
+    if forward_only and _plain_eager(x):
+        # An eager call that needs no gradient skips the operator's dispatch (about 50 us, 5% of a 1 x 24
+        # MiniLM forward): nothing records it and autograd has nothing to do. Its parameters' binding to
+        # the library is remembered.
+        return _forward_only(compiled.key, x.contiguous(), mask, key_padding_mask is None, flat, bf16_autocast,
+                             parts, memo_key).to(out_dtype)
+    outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None, flat, seed, training,
                              forward_only, bf16_autocast, parts)
     return outputs[0].to(out_dtype)
 

@@ -23,7 +23,7 @@ from ..config import EncoderConfig
 from ..ir.graph import LayerGraph, TensorInfo, parameters, size_symbol
 from ..ir.operands import STACK_LETTER, split_stack_params
 
-__all__ = ["ALL_TORCH_DTYPES", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
+__all__ = ["ALL_TORCH_DTYPES", "BoundParameters", "CompiledGraph", "graph_tensor_dtypes", "CompiledLayer", "DTYPE_NAMES", "PARAMETER_NAMES", "TORCH_DTYPES",
            "keep_freed_memory", "parameter_names", "parameter_shapes", "pin_layer", "register_layer", "registered_layer",
            "release_packed_parameters"]
 
@@ -65,6 +65,9 @@ def parameter_shapes(config: EncoderConfig) -> dict[str, tuple[int, ...]]:
 PARAMETER_NAMES = parameter_names(EncoderConfig())
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Entries a memo of :class:`CompiledLayer` keeps (sets of parameters: the layers of the models that share
+#: a build) before it starts again.
+MEMO_ENTRIES = 256
 
 
 def keep_freed_memory() -> bool:
@@ -85,6 +88,24 @@ def keep_freed_memory() -> bool:
     except OSError:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundParameters:
+    """Parameter arguments of one :class:`CompiledGraph`, checked once (dtype, element count,
+    contiguity, parts) and turned into the addresses its library reads (:meth:`CompiledGraph.bind`), for
+    a caller that passes the same parameter tensors call after call (:meth:`CompiledGraph.run_into`'s
+    ``bound``). It holds addresses, not tensors: the caller keeps the tensors alive, at the same
+    addresses and with the same dtypes and shapes, while it uses the binding.
+
+    Attributes:
+        graph: the library it was checked for. addresses: name -> the address passed for that argument
+            (a split parameter's: that of its table of T part addresses, held in ``tables``).
+    """
+
+    graph: "CompiledGraph"
+    addresses: dict
+    tables: tuple
 
 
 class CompiledGraph:
@@ -223,11 +244,12 @@ class CompiledGraph:
         return [v.data_ptr() + k * step for k in range(self._stack)]
 
     def __call__(self, given: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
-                 training: bool = False) -> dict[str, torch.Tensor]:
+                 training: bool = False, bound: BoundParameters | None = None) -> dict[str, torch.Tensor]:
         """Run the graph. ``given`` maps every input, parameter and (backward) saved tensor name to a
         contiguous tensor of the graph's dtype (:attr:`dtypes`) on :attr:`device_type` (CUDA: all on
-        one device); returns the tensors the graph writes (outputs and forward-saved tensors), freshly
-        allocated. A CUDA library queues its work on PyTorch's current stream of that device.
+        one device), the parameters in ``bound`` excepted; returns the tensors the graph writes (outputs
+        and forward-saved tensors), freshly allocated. A CUDA library queues its work on PyTorch's
+        current stream of that device.
 
         Raises:
             ValueError: CUDA tensors on different devices. RuntimeError: the library failed."""
@@ -240,16 +262,67 @@ class CompiledGraph:
                 raise ValueError(f"tensors {', '.join(bad)} are not on {device}")
         produced = {t.name: torch.empty(t.shape(sizes), dtype=self.dtypes[t.name], device=device)
                     for t in self.produced}
-        self.run_into({**given, **produced}, batch, seq, seed, training)
+        self.run_into({**given, **produced}, batch, seq, seed, training, bound=bound)
         return produced
 
+    def _checked_pieces(self, args: list[TensorInfo], values: list, numels: list[int], where: str) -> list:
+        """:meth:`_pieces` of each argument, checked: the dtype :attr:`dtypes` says, the element count,
+        contiguous.
+
+        Raises:
+            TypeError: a piece of another dtype. ValueError: another element count, not contiguous, or
+                parts where :meth:`_pieces` refuses them."""
+        pieces = [self._pieces(t, v, n) for t, v, n in zip(args, values, numels)]
+        wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} is {v.dtype}, not {self.dtypes[t.name]}"
+                 for t, ps in zip(args, pieces) for k, (v, _) in enumerate(ps) if v.dtype != self.dtypes[t.name]]
+        if wrong:
+            raise TypeError(f"{self.graph.phase} library arguments of the wrong dtype: {'; '.join(wrong)}")
+        wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} {tuple(v.shape)}"
+                 f"{'' if v.is_contiguous() else ' non-contiguous'} (needs {n} elements)"
+                 for t, ps in zip(args, pieces) for k, (v, n) in enumerate(ps)
+                 if v.numel() != n or not v.is_contiguous()]
+        if wrong:
+            raise ValueError(f"{self.graph.phase} library arguments{where} must be contiguous tensors of their "
+                             f"sizes: {'; '.join(wrong)}")
+        return pieces
+
+    def bind(self, parameters: dict) -> BoundParameters:
+        """Check parameter arguments once and keep their addresses (:class:`BoundParameters`).
+
+        Args:
+            parameters: name -> tensor (a parameter of :attr:`split`: or a tuple of its T parts) for some
+                or all of the library's parameters, as :meth:`run_into` takes them.
+
+        Raises:
+            ValueError: a name that is not a parameter of this library; as :meth:`run_into` for the
+                tensors (TypeError for a dtype)."""
+        args = {t.name: t for t in self.args if t.role == "param"}
+        unknown = sorted(set(parameters) - set(args))
+        if unknown:
+            raise ValueError(f"{self.graph.phase} library has no parameter {', '.join(unknown)} (it takes "
+                             f"{', '.join(args)})")
+        bound = [args[n] for n in parameters]
+        sizes = self.graph.config.sizes(1, 1)  # a parameter's size does not depend on B or J
+        pieces = self._checked_pieces(bound, list(parameters.values()),
+                                      [math.prod(t.shape(sizes)) for t in bound], "")
+        addresses, tables = {}, []
+        for t, ps in zip(bound, pieces):
+            if t.name in self.split:
+                tables.append((ctypes.c_void_p * self._stack)(*self._part_pointers(ps)))
+                addresses[t.name] = ctypes.addressof(tables[-1])
+            else:
+                addresses[t.name] = ps[0][0].data_ptr()
+        return BoundParameters(self, addresses, tuple(tables))
+
     def run_into(self, tensors: dict[str, torch.Tensor], batch: int, seq: int, seed: int = 0,
-                 training: bool = False, rows: dict[str, torch.Tensor] | None = None) -> None:
+                 training: bool = False, rows: dict[str, torch.Tensor] | None = None,
+                 bound: BoundParameters | None = None) -> None:
         """Run the graph on caller-owned tensors: ``tensors`` maps every argument name (inputs,
         parameters, saved tensors and the outputs it writes) to a contiguous tensor of :attr:`dtypes`
         and the graph's shape at ``batch`` x ``seq`` (a parameter of :attr:`split`: that, or a tuple of
         its T parts, each contiguous); nothing is allocated besides the workspace (reused on the CPU).
-        Benchmarks and the tuner time this call.
+        Benchmarks and the tuner time this call. ``bound`` (from :meth:`bind` of this library): those
+        parameters' checked addresses, in place of entries of ``tensors``.
 
         ``rows`` (arguments in :attr:`row_indexed` only): name -> int64 [B x J], the row of that
         argument, an [R, I] tensor of any R, that position (b, j) reads or writes (at index b J + j):
@@ -261,7 +334,10 @@ class CompiledGraph:
             :attr:`dtypes` says; a row index that is not int64. ValueError: an argument of another size
             (element count), or not contiguous; parts for an argument not in :attr:`split`, or not T of
             them; a row index for an argument not in :attr:`row_indexed`, of another size than B x J,
-            or out of range. RuntimeError: the library failed."""
+            or out of range; a binding of another library. RuntimeError: the library failed."""
+        addresses = {} if bound is None else bound.addresses
+        if bound is not None and bound.graph is not self:
+            raise ValueError(f"parameters bound for the library {bound.graph.path}, not {self.path}")
         numels = self._numels.get((batch, seq))
         if numels is None:
             if len(self._numels) >= 1024:  # one entry per (B, J) seen: bounded
@@ -272,25 +348,21 @@ class CompiledGraph:
         if not set(rows) <= set(self.row_indexed):
             raise ValueError(f"{self.graph.phase} library takes row indices for "
                              f"{', '.join(self.row_indexed) or 'no argument'}, got them for {', '.join(sorted(rows))}")
-        numels = [self._rows_numel(t, tensors[t.name], n, rows[t.name], batch * seq) if t.name in rows else n
-                  for t, n in zip(self.args, numels)]
-        pieces = [self._pieces(t, tensors[t.name], n) for t, n in zip(self.args, numels)]
-        wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} is {v.dtype}, not {self.dtypes[t.name]}"
-                 for t, ps in zip(self.args, pieces) for k, (v, _) in enumerate(ps) if v.dtype != self.dtypes[t.name]]
-        if wrong:
-            raise TypeError(f"{self.graph.phase} library arguments of the wrong dtype: {'; '.join(wrong)}")
-        wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} {tuple(v.shape)}"
-                 f"{'' if v.is_contiguous() else ' non-contiguous'} (needs {n} elements)"
-                 for t, ps in zip(self.args, pieces) for k, (v, n) in enumerate(ps)
-                 if v.numel() != n or not v.is_contiguous()]
-        if wrong:
-            raise ValueError(f"{self.graph.phase} library arguments at B={batch}, J={seq} must be contiguous "
-                             f"tensors of their sizes: {'; '.join(wrong)}")
-        device = pieces[0][0][0].device
-        tables = {t.name: (ctypes.c_void_p * self._stack)(*self._part_pointers(ps))
-                  for t, ps in zip(self.args, pieces) if t.name in self.split}
-        ptrs = (ctypes.c_void_p * len(self.args))(*(ctypes.addressof(tables[t.name]) if t.name in tables
-                                                    else ps[0][0].data_ptr() for t, ps in zip(self.args, pieces)))
+        given = [(t, n) for t, n in zip(self.args, numels) if t.name not in addresses]
+        args = [t for t, _ in given]
+        values = [tensors[t.name] for t in args]
+        numels = [self._rows_numel(t, v, n, rows[t.name], batch * seq) if t.name in rows else n
+                  for (t, n), v in zip(given, values)]
+        pieces = dict(zip((t.name for t in args), self._checked_pieces(args, values, numels,
+                                                                       f" at B={batch}, J={seq}")))
+        device = next(iter(pieces.values()))[0][0].device
+        tables = [(ctypes.c_void_p * self._stack)(*self._part_pointers(pieces[t.name]))
+                  for t in args if t.name in self.split]
+        split = iter(tables)
+        ptrs = (ctypes.c_void_p * len(self.args))(*(
+            addresses[t.name] if t.name in addresses
+            else ctypes.addressof(next(split)) if t.name in self.split else pieces[t.name][0][0].data_ptr()
+            for t in self.args))
         dims = (ctypes.c_int64 * 3)(batch, seq, seq)
         need = self._ws(dims)
         run, extra = self._run, self._stream_arg
@@ -372,6 +444,12 @@ class CompiledLayer:
         self.parameter_shapes = parameter_shapes(self.config)
         self.stacked_parameters = frozenset(n for n, dims in parameters(self.config).items()
                                             if dims.startswith(STACK_LETTER))
+        #: Memos of :func:`~substation.runtime.run_layer`'s eager calls, keyed by what it checks of the
+        #: parameters (each tensor's address, dtype, shape, device, contiguity): the keys that passed its
+        #: checks, and (forward-only builds) the library's binding of those tensors. Addresses only: no
+        #: tensor is kept alive; bounded (:data:`MEMO_ENTRIES`).
+        self.checked_parameters: set = set()
+        self.bound_parameters: dict = {}
 
     @property
     def mode(self) -> str:

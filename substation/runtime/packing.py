@@ -296,7 +296,8 @@ def pack_cu_seqlens(cu_seqlens: torch.Tensor, rows: int, config: EncoderConfig) 
     return _packed_batch(rows, sequences, groups)
 
 
-def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, packed: PackedBatch,
+               bound=None) -> torch.Tensor:
     """Run a forward-only library group by group on packed tokens (no autograd; inside the operator).
     A group whose slots are not rows in place reads X and writes Y through row indices
     (:attr:`~substation.runtime.CompiledGraph.row_indexed`): its output goes straight to its rows, and
@@ -305,9 +306,10 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
     Args:
         graph: the forward-only :class:`~substation.runtime.CompiledGraph` (writes Y alone, through a
             row index).
-        given: its parameters (and nothing else) by name, of the graph's dtypes.
+        given: its parameters (and nothing else) by name, of the graph's dtypes, but those of ``bound``.
         x_rows: [R, I] source rows, the graph's X dtype, contiguous.
         packed: the :class:`PackedBatch` over those R rows.
+        bound: parameters checked once (:meth:`~substation.runtime.CompiledGraph.bind`), or None.
 
     Returns:
         [R, I] of Y's dtype: the output of each real token (and of each extra query slot,
@@ -340,6 +342,6 @@ def run_packed(graph, given: dict[str, torch.Tensor], x_rows: torch.Tensor, pack
             if has_mask:
                 dtype = graph.dtypes["mask"]
                 tensors["mask"] = g.key_mask(dtype) if g.padded else torch.zeros(g.batch, g.seq, dtype=dtype)
-            graph.run_into(tensors, g.batch, g.seq, rows=rows)
+            graph.run_into(tensors, g.batch, g.seq, rows=rows, bound=bound)
     out.index_fill_(0, packed.unused, 0)
     return out
