@@ -258,6 +258,51 @@ def test_eager_calls_remember_checked_parameters_by_address_dtype_and_shape(tiny
         assert len(compiled.checked_parameters) <= MEMO_ENTRIES and len(inference.bound_parameters) <= MEMO_ENTRIES
 
 
+def test_torch_compile_does_not_follow_the_eager_memo(tiny_nodrop):
+    """Under ``torch.compile(fullgraph=True)`` the eager calls' memo is not consulted while tracing, so
+    parameter sets seen by eager calls (another layer of the same build, a replaced weight) cause no
+    recompilation; the compiled layer reads a replaced weight as eager does."""
+    from torch._dynamo.utils import counters
+    layer = make_layer(tiny_nodrop).eval()
+    other = make_layer(tiny_nodrop).eval()  # the same build: one memo
+    x = x_for(layer)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.inference_mode():
+        compiled(x)
+        for k in range(10):
+            other.linear1_weight = torch.nn.Parameter(torch.randn(24, 16, dtype=torch.float64))
+            other(x)
+            assert torch.equal(compiled(x), layer(x))
+        assert counters["stats"]["unique_graphs"] == 1
+        for k in range(10):  # dynamo recompiles once for a replaced parameter of its own module, not each time
+            layer.linear1_weight = torch.nn.Parameter(layer.linear1_weight.detach() * 1.5)
+            assert torch.equal(compiled(x), layer(x))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_lazy_negations_are_read_as_their_values(tiny_nodrop):
+    """A parameter, input or float mask that is a lazy negation (``torch._neg_view``: the bytes hold the
+    opposite values) gives the output of its values; the library call itself refuses one by name."""
+    layer = make_layer(tiny_nodrop).eval()
+    x = x_for(layer)
+    pad = torch.zeros(2, 7, dtype=torch.float64)
+    pad[1, 5:] = float("-inf")
+    with torch.inference_mode():
+        want = layer(x, attention_mask=pad)
+        bias = layer.linear1_bias.detach().clone()
+        layer.linear1_bias.data = torch._neg_view(-bias)
+        assert layer.linear1_bias.is_neg()
+        assert torch.equal(layer(torch._neg_view(-x), attention_mask=torch._neg_view(-pad)), want)
+    graph = layer.compiled.forward
+    sizes = graph.graph.config.sizes(2, 7)
+    given = {t.name: torch.randn(t.shape(sizes), dtype=graph.dtypes[t.name]) for t in graph.args
+             if t.role in ("input", "param")}
+    with pytest.raises(ValueError, match=r"X \(2, 7, 16\) a lazy negation \(torch._neg_view: pass .resolve_neg\(\)\)"):
+        graph({**given, "X": torch._neg_view(given["X"])}, 2, 7)
+
+
 def test_dtype_change_switches_the_build(tiny_nodrop):
     layer = make_layer(tiny_nodrop)
     assert layer.to("cpu") is layer and layer.compiled.config.dtype == "float64"  # a device move keeps the dtype

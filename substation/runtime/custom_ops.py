@@ -317,13 +317,13 @@ def _pieces_with_shapes(compiled: CompiledLayer, params: list) -> list:
 
 def _parameter_signature(flat: list) -> tuple | None:
     """What :func:`run_layer` checks of each parameter tensor and its library reads: address, dtype,
-    shape, device; None if one is no tensor with storage (the full checks then name it) or is not
-    contiguous (a copy is passed, new on every call)."""
+    shape, device; None if one is no tensor with storage (the full checks then name it), is not
+    contiguous or is a lazy negation (``torch._neg_view``): a copy is passed, new on every call."""
     try:
         signature = tuple((p.data_ptr(), p.dtype, p.shape, p.device) for p in flat)
     except (AttributeError, RuntimeError):
         return None
-    return signature if all(p.is_contiguous() for p in flat) else None
+    return signature if all(p.is_contiguous() and not p.is_neg() for p in flat) else None
 
 
 def _check_parameters(compiled: CompiledLayer, params: list, dtype: torch.dtype, cast: bool, x: torch.Tensor) -> None:
@@ -368,6 +368,10 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     A call that needs no gradient (``torch.no_grad``, ``torch.inference_mode``, or neither the input
     nor a parameter requires grad) and draws no dropout runs the forward-only inference build
     (:meth:`~substation.runtime.CompiledLayer.forward_only`: nothing saved, no dropout kernels).
+    The parameters' checks, and in such a call their binding to the library, are done once per set of
+    tensors (each one's address, dtype, shape and device;
+    :attr:`~substation.runtime.CompiledLayer.checked_parameters`): a parameter replaced or re-typed is
+    checked again, one changed in place is read as it is now.
 
     Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a float32 CPU layer runs its bfloat16 build
     (:meth:`~substation.runtime.CompiledLayer.for_autocast`); a half-precision layer under autocast takes
@@ -434,7 +438,8 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     parts = [len(p) if isinstance(p, tuple) else 1 for p in params]
     flat = [q for p in params for q in (p if isinstance(p, tuple) else (p,))]
     # The same parameter tensors come call after call: what is checked of them is remembered.
-    memo_key = _parameter_signature(flat)
+    # (not while torch.compile traces this: its guards would then follow the memo, which every call changes)
+    memo_key = None if torch.compiler.is_compiling() else _parameter_signature(flat)
     if memo_key is not None:
         memo_key = (memo_key, tuple(parts), dtype, cast, x.device)
     if memo_key is None or memo_key not in compiled.checked_parameters:
@@ -466,15 +471,15 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if not forward_only and max(parts, default=1) > 1:  # autograd sees one stacked parameter
         flat = [torch.cat(p) if isinstance(p, tuple) else p for p in params]
         parts = [1] * len(params)
-    if memo_key is None:  # else every parameter is contiguous
-        flat = [p if p.is_contiguous() else p.contiguous() for p in flat]
+    if memo_key is None:  # else every parameter is contiguous, without a lazy negation
+        flat = [(p if p.is_contiguous() else p.contiguous()).resolve_neg() for p in flat]
     if forward_only and _plain_eager(x):
         # An eager call that needs no gradient skips the operator's dispatch (about 50 us, 5% of a 1 x 24
         # MiniLM forward): nothing records it and autograd has nothing to do. Its parameters' binding to
         # the library is remembered.
-        return _forward_only(compiled.key, x.contiguous(), mask, key_padding_mask is None, flat, bf16_autocast,
+        return _forward_only(compiled.key, x.contiguous().resolve_neg(), mask, key_padding_mask is None, flat, bf16_autocast,
                              parts, memo_key).to(out_dtype)
-    outputs = _layer_forward(compiled.key, x.contiguous(), mask, key_padding_mask is None, flat, seed, training,
+    outputs = _layer_forward(compiled.key, x.contiguous().resolve_neg(), mask, key_padding_mask is None, flat, seed, training,
                              forward_only, bf16_autocast, parts)
     return outputs[0].to(out_dtype)
 

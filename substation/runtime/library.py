@@ -267,20 +267,21 @@ class CompiledGraph:
 
     def _checked_pieces(self, args: list[TensorInfo], values: list, numels: list[int], where: str) -> list:
         """:meth:`_pieces` of each argument, checked: the dtype :attr:`dtypes` says, the element count,
-        contiguous.
+        contiguous, its values in memory (no lazy negation: the library reads the bytes).
 
         Raises:
-            TypeError: a piece of another dtype. ValueError: another element count, not contiguous, or
-                parts where :meth:`_pieces` refuses them."""
+            TypeError: a piece of another dtype. ValueError: another element count, not contiguous, a
+                lazy negation, or parts where :meth:`_pieces` refuses them."""
         pieces = [self._pieces(t, v, n) for t, v, n in zip(args, values, numels)]
         wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} is {v.dtype}, not {self.dtypes[t.name]}"
                  for t, ps in zip(args, pieces) for k, (v, _) in enumerate(ps) if v.dtype != self.dtypes[t.name]]
         if wrong:
             raise TypeError(f"{self.graph.phase} library arguments of the wrong dtype: {'; '.join(wrong)}")
         wrong = [f"{t.name}{'' if len(ps) == 1 else f' part {k}'} {tuple(v.shape)}"
-                 f"{'' if v.is_contiguous() else ' non-contiguous'} (needs {n} elements)"
+                 f"{'' if v.is_contiguous() else ' non-contiguous'}"
+                 f"{' a lazy negation (torch._neg_view: pass .resolve_neg())' if v.is_neg() else ''} (needs {n} elements)"
                  for t, ps in zip(args, pieces) for k, (v, n) in enumerate(ps)
-                 if v.numel() != n or not v.is_contiguous()]
+                 if v.numel() != n or not v.is_contiguous() or v.is_neg()]
         if wrong:
             raise ValueError(f"{self.graph.phase} library arguments{where} must be contiguous tensors of their "
                              f"sizes: {'; '.join(wrong)}")
@@ -332,9 +333,10 @@ class CompiledGraph:
         Raises:
             KeyError: an argument is missing. TypeError: an argument of another dtype than
             :attr:`dtypes` says; a row index that is not int64. ValueError: an argument of another size
-            (element count), or not contiguous; parts for an argument not in :attr:`split`, or not T of
-            them; a row index for an argument not in :attr:`row_indexed`, of another size than B x J,
-            or out of range; a binding of another library. RuntimeError: the library failed."""
+            (element count), not contiguous, or a lazy negation (``torch._neg_view``); parts for an
+            argument not in :attr:`split`, or not T of them; a row index for an argument not in
+            :attr:`row_indexed`, of another size than B x J, or out of range; a binding of another
+            library. RuntimeError: the library failed."""
         addresses = {} if bound is None else bound.addresses
         if bound is not None and bound.graph is not self:
             raise ValueError(f"parameters bound for the library {bound.graph.path}, not {self.path}")

@@ -96,7 +96,7 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     if mask.dtype != dtype and torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
         low = torch.finfo(dtype)
         mask = torch.where(mask.isinf(), mask, mask.clamp(low.min, low.max))
-    return mask.to(dtype).contiguous()
+    return mask.to(dtype).contiguous().resolve_neg()
 
 
 def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
