@@ -88,14 +88,11 @@ def _inference_packing(mask: torch.Tensor | None, attend_marks_true: bool, batch
     return result
 
 
-def _remember(memo, key, value=None) -> None:
-    """Put ``key`` (with ``value``: a dict) into a :class:`CompiledLayer` memo, emptied when full."""
+def _remember(memo: dict, key, value) -> None:
+    """Put ``key`` -> ``value`` into a :class:`CompiledLayer` memo, emptied when full."""
     if len(memo) >= MEMO_ENTRIES:
         memo.clear()
-    if isinstance(memo, dict):
-        memo[key] = value
-    else:
-        memo.add(key)
+    memo[key] = value
 
 
 def _library_value(graph, name: str, p):
@@ -445,7 +442,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if memo_key is None or memo_key not in compiled.checked_parameters:
         _check_parameters(compiled, params, dtype, cast, x)
         if memo_key is not None:
-            _remember(compiled.checked_parameters, memo_key)
+            _remember(compiled.checked_parameters, memo_key, True)
     b, j, _ = x.shape
     if attention_mask is not None and key_padding_mask is not None:
         raise ValueError("pass either attention_mask or key_padding_mask, not both")
@@ -473,14 +470,15 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
         parts = [1] * len(params)
     if memo_key is None:  # else every parameter is contiguous, without a lazy negation
         flat = [(p if p.is_contiguous() else p.contiguous()).resolve_neg() for p in flat]
+    x = x.contiguous().resolve_neg()  # the library reads the bytes
     if forward_only and _plain_eager(x):
         # An eager call that needs no gradient skips the operator's dispatch (about 50 us, 5% of a 1 x 24
         # MiniLM forward): nothing records it and autograd has nothing to do. Its parameters' binding to
         # the library is remembered.
-        return _forward_only(compiled.key, x.contiguous().resolve_neg(), mask, key_padding_mask is None, flat, bf16_autocast,
-                             parts, memo_key).to(out_dtype)
-    outputs = _layer_forward(compiled.key, x.contiguous().resolve_neg(), mask, key_padding_mask is None, flat, seed, training,
-                             forward_only, bf16_autocast, parts)
+        return _forward_only(compiled.key, x, mask, key_padding_mask is None, flat, bf16_autocast, parts,
+                             memo_key).to(out_dtype)
+    outputs = _layer_forward(compiled.key, x, mask, key_padding_mask is None, flat, seed, training, forward_only,
+                             bf16_autocast, parts)
     return outputs[0].to(out_dtype)
 
 

@@ -447,10 +447,10 @@ class CompiledLayer:
         self.stacked_parameters = frozenset(n for n, dims in parameters(self.config).items()
                                             if dims.startswith(STACK_LETTER))
         #: Memos of :func:`~substation.runtime.run_layer`'s eager calls, keyed by what it checks of the
-        #: parameters (each tensor's address, dtype, shape, device, contiguity): the keys that passed its
-        #: checks, and (forward-only builds) the library's binding of those tensors. Addresses only: no
-        #: tensor is kept alive; bounded (:data:`MEMO_ENTRIES`).
-        self.checked_parameters: set = set()
+        #: parameters (each tensor's address, dtype, shape and device; contiguous tensors only): the keys
+        #: that passed its checks (-> True), and (forward-only builds) the library's binding of those
+        #: tensors. Addresses only: no tensor is kept alive; bounded (:data:`MEMO_ENTRIES`).
+        self.checked_parameters: dict = {}
         self.bound_parameters: dict = {}
 
     @property
