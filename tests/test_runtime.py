@@ -663,3 +663,45 @@ def test_backward_fills_no_zero_gradients_for_the_saved_outputs(tiny_nodrop):
     assert counts.get("substation::layer_backward") == 1
     assert counts.get("aten::fill_", 0) == 0 and counts.get("aten::zero_", 0) == 0
     assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int64, torch.float16, torch.bfloat16,
+                                   torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [7, 8, 24])
+def test_mask_differs_matches_a_comparison_by_value(dtype, k):
+    """The row checks (a bool mask read as uint8) answer as a comparison of every row with the first by
+    value does (NaN unequal to itself, -0.0 equal to 0.0), for every mask dtype, several K, and a
+    strided last dimension."""
+    from substation.runtime.masks import heads_differ, mask_differs, queries_differ
+
+    def by_value(m, dim):
+        first = m.narrow(dim, 0, 1)
+        return not bool((m == first).all()) or (m.is_floating_point() and bool(m.isnan().any()))
+
+    def flip(t):
+        return ~t if t.dtype == torch.bool else t + 1 if t.is_floating_point() else 1 - t
+
+    gen = torch.Generator().manual_seed(k)
+    floating = dtype.is_floating_point
+    for trial in range(40):
+        row = torch.randint(0, 2, (3, 1, 1, k), generator=gen).to(dtype)
+        if floating and trial % 4 == 1:
+            row = row.masked_fill(row == 0, float("-inf"))
+        m = row.expand(3, 2, 5, k).contiguous()
+        b, h, j, c = (int(v) for v in torch.randint(0, 3, (1,), generator=gen).tolist() + [
+            torch.randint(0, 2, (1,), generator=gen).item(), torch.randint(0, 5, (1,), generator=gen).item(),
+            torch.randint(0, k, (1,), generator=gen).item()])
+        change = trial % 5
+        if change == 1:  # one element of one query row
+            m[b, h, j, c] = flip(m[b, h, j, c])
+        elif change == 2 and floating:  # -0.0 where the other rows hold 0.0: equal values, other bytes
+            m[b, h, j] = torch.where(m[b, h, j] == 0, torch.tensor(-0.0, dtype=dtype), m[b, h, j])
+        elif change == 3 and floating:  # NaN in every row at one key
+            m[..., c] = float("nan")
+        elif change == 4:  # one head
+            m[b, h] = flip(m[b, h])
+        for mask in (m, m.transpose(2, 3).contiguous().transpose(2, 3)):  # contiguous, strided last dimension
+            assert queries_differ(mask) == by_value(mask, 2), (trial, change)
+            assert heads_differ(mask) == by_value(mask, 1), (trial, change)
+            expected = "heads" if by_value(mask, 1) else "queries" if by_value(mask, 2) else None
+            assert mask_differs(mask) == expected

@@ -15,9 +15,13 @@ __all__ = ["check_mask", "check_mask_values", "heads_differ", "key_mask", "mask_
 def _differs_along(mask: torch.Tensor, dim: int) -> bool:
     """Whether ``mask`` holds different values along ``dim`` (a NaN counts as different): its maximum
     and minimum along ``dim`` disagree somewhere. Two reductions, no [B, H, J, K] temporary (a
-    comparison with the first row took 3x the time on Hugging Face's [B, 1, J, K] masks)."""
+    comparison with the first row took 3x the time on Hugging Face's [B, 1, J, K] masks); a bool mask
+    is read as uint8, the same bytes (PyTorch's reductions of bool along a dimension took 8x longer:
+    174 against 22 us on a [32, 1, 128, 128] mask, 2 threads)."""
     if mask.shape[dim] == 1 or mask.stride(dim) == 0 or mask.numel() == 0:
         return False
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
     return not bool((mask.amax(dim) == mask.amin(dim)).all())
 
 
