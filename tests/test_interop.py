@@ -388,14 +388,70 @@ def test_from_hf_separate_hidden_dropouts():
     assert c.dropout.probability("attention_output") == 0.2
 
 
-def test_per_query_masks_run_the_hugging_face_forward():
+def test_per_query_masks_run_the_hugging_face_forward(monkeypatch):
+    """A causal mask runs Hugging Face's forward, warning once at the caller's line (not inside
+    transformers); an eager layer gets it as the additive mask its model makes."""
+    import substation.interop.layers as layers
+
+    monkeypatch.setattr(layers, "_WARNED", set())
     ref = hf_layer(torch.float64)
     ours = drop_in(copy.deepcopy(ref))
     x = torch.randn(1, J, I, dtype=torch.float64)
     causal = torch.ones(J, J, dtype=torch.bool).tril()[None, None]
-    with pytest.warns(UserWarning, match="differs between queries"):
+    additive = torch.zeros(1, 1, J, J, dtype=torch.float64).masked_fill(~causal, torch.finfo(torch.float64).min)
+    with pytest.warns(UserWarning, match="differs between queries") as caught:
         y = ours(x, causal)
-    assert rel(y, ref(x, causal)) <= 1e-12
+    assert [w.filename for w in caught] == [__file__]
+    assert rel(y, ref(x, additive)) <= 1e-12
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_calls_that_fall_back_get_the_mask_their_model_would_pass(implementation, monkeypatch):
+    """Where a call runs the Hugging Face forward (output_attentions, a forward hook on a submodule, a
+    mask that differs between queries), the drop-in layer hands it the mask the model makes for its
+    attention implementation (bool under sdpa, additive under eager): a [B, K] mask (which would
+    broadcast along the queries when B = J), an integer mask, a float mask of another dtype are
+    converted; each gives the output of the same mask in the model's form, to float64 rounding."""
+    import substation.interop.layers as layers
+
+    monkeypatch.setattr(layers, "_WARNED", set())
+    ref = hf_layer(torch.float64, attn_implementation=implementation)
+    ours = drop_in(copy.deepcopy(ref))
+    b = J
+    x = torch.randn(b, J, I, dtype=torch.float64)
+    attend = torch.ones(b, J, dtype=torch.bool)
+    attend[0, J - 3:] = False
+    attend[2, :2] = False
+    low = torch.finfo(torch.float64).min
+    additive = torch.zeros(b, 1, 1, J, dtype=torch.float64).masked_fill(~attend[:, None, None, :], low)
+    expected = ref(x, additive)
+    key_masks = (attend, attend.long(), attend[:, None, None, :].to(torch.uint8), additive[:, 0, 0, :].float(),
+                 additive.to(torch.bfloat16), additive.half())
+    for mask in key_masks:
+        assert real_rel(ours(x, mask, output_attentions=True), expected, attend) <= 1e-12, mask.dtype
+    hooked = drop_in(copy.deepcopy(ref))
+    hooked.attention.self.query.register_forward_hook(lambda *args: None)
+    for mask in key_masks:
+        assert real_rel(hooked(x, mask), expected, attend) <= 1e-12, mask.dtype
+    causal = torch.ones(J, J, dtype=torch.bool).tril().expand(b, 1, J, J)
+    expected = ref(x, torch.zeros(b, 1, J, J, dtype=torch.float64).masked_fill(~causal, low))
+    for mask in (causal, causal.to(torch.uint8), causal.long(), causal.double(), causal.bfloat16(), causal.half()):
+        if mask.is_floating_point():
+            mask = torch.zeros_like(mask).masked_fill(~causal, float("-inf"))
+        assert rel(ours(x, mask), expected) <= 1e-12, mask.dtype
+
+
+def test_masks_of_other_types_are_refused_by_name():
+    """Masks the layer cannot read are named at the call: unsigned integers wider than 8 bits and
+    float8 (PyTorch has no reductions for them), a list or an array instead of a tensor."""
+    ours = drop_in(hf_layer(torch.float64))
+    x = torch.randn(2, J, I, dtype=torch.float64)
+    for dtype in (torch.uint16, torch.uint32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match=f"attention_mask has dtype {dtype}; give a bool or integer mask"):
+            ours(x, torch.ones(2, J).to(dtype))
+    for mask in ([[1] * J] * 2, torch.ones(2, J).numpy()):
+        with pytest.raises(TypeError, match=f"must be a tensor or None, got a {type(mask).__name__}"):
+            ours(x, mask)
 
 
 def test_per_head_masks_run_compiled_when_the_heads_agree():

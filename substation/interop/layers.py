@@ -48,14 +48,65 @@ def _traced_sync(layer) -> str | None:
     return layer._substation_sync()
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised in the calling function at the first frame outside
+    Substation, PyTorch and transformers (the user's call of the model or layer)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+            "substation", "torch", "transformers"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @torch.compiler.assume_constant_result
 def _warn_fallback(layer_class: str, reason: str) -> bool:
     """Warn once per (class, reason) that a call runs the Hugging Face forward; traced, at trace time
     (dynamo cannot trace ``warnings.warn``). Returns True."""
     if (layer_class, reason) not in _WARNED:
         _WARNED.add((layer_class, reason))
-        warnings.warn(f"{layer_class}: {reason}; running the Hugging Face forward for this call", stacklevel=3)
+        warnings.warn(f"{layer_class}: {reason}; running the Hugging Face forward for this call",
+                      stacklevel=_caller_stacklevel())
     return True
+
+
+def _attention_implementation(layer: nn.Module) -> str | None:
+    """The ``config._attn_implementation`` of ``layer``'s attention (``"sdpa"``, ``"eager"``, ...), or None."""
+    for module in layer.modules():
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if implementation is not None:
+            return implementation
+    return None
+
+
+def _mask_for_hf(attention_mask: Any, hidden_states: torch.Tensor, implementation: str | None) -> Any:
+    """The mask to hand a Hugging Face layer's own forward when a drop-in call falls back to it: the
+    kind its model makes for ``implementation``. The model's own masks pass unchanged: a bool
+    [B, 1, J, K] one (True = attend) under ``sdpa``, an additive one of the hidden states' dtype under
+    ``eager``. The masks the drop-in layer takes besides are converted to that kind: a 2-D [B, K] mask
+    (to [B, 1, 1, K]), an integer mask (1 = attend; to bool, or to additive 0 / ``finfo.min``), a float
+    mask of another dtype (cast, finite values kept finite, as
+    :func:`~substation.runtime.masks.key_mask` does). Other implementations and non-tensors pass unchanged.
+
+    Args:
+        attention_mask: None, a tensor the drop-in layer accepted (:func:`~substation.runtime.masks.check_mask`),
+            or another object. hidden_states: [B, J, I], of the dtype the layer computes in.
+        implementation: the model's ``attn_implementation``.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or implementation not in ("sdpa", "eager"):
+        return attention_mask
+    mask = attention_mask[:, None, None, :] if attention_mask.dim() == 2 else attention_mask
+    dtype = hidden_states.dtype
+    if not mask.is_floating_point():
+        attend = mask.bool()
+        if implementation == "sdpa":
+            return attend
+        return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, torch.finfo(dtype).min)
+    if mask.dtype == dtype:
+        return mask
+    if torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
+        low = torch.finfo(dtype)
+        mask = torch.where(mask.isinf(), mask, mask.clamp(low.min, low.max))
+    return mask.to(dtype)
 
 
 class SubstationLayer:
@@ -68,9 +119,13 @@ class SubstationLayer:
     ``forward(hidden_states [B, J, I], attention_mask=None, ...)`` returns [B, J, I] like the replaced
     layer (a tensor, transformers 5.x). ``attention_mask`` is what the model passes its layers: None,
     a bool [B, 1, J, K] mask (True = attend; ``sdpa``), an additive float [B, 1, J, K] mask (``eager``),
-    a [B, H, J, K] mask, or a 2-D [B, K] mask (a 4-D mask whose rows or heads differ runs the Hugging
-    Face forward). A sequence that is entirely padding gets uniform attention probabilities with
-    an additive ``finfo.min`` mask and zero probabilities with a bool mask, as the replaced layer.
+    a [B, H, J, K] mask, or a 2-D [B, K] mask, bool, integer (1 = attend) or float (additive) of any of
+    :data:`~substation.runtime.masks.MASK_DTYPES` (a 4-D mask whose rows or heads differ runs the
+    Hugging Face forward, handed the mask in the form its model makes). Forward-only calls (inference)
+    compute the real tokens alone and return zeros at padded positions (docs/usage.md), so a sequence
+    that is entirely padding is all zeros there; calls that need gradients compute every position, and
+    such a sequence gets uniform attention probabilities with an additive ``finfo.min`` mask and zero
+    probabilities with a bool mask, as the replaced layer.
 
     ``.to(dtype)``, ``.double()``, ``.float()`` switch to the build of that dtype through the build
     cache; a dtype or device the target does not compile (float16 or a GPU for a CPU build) converts the
@@ -144,11 +199,7 @@ class SubstationLayer:
 
     def _substation_fallback(self, attention_mask, kwargs: dict, synced: str | None) -> str | None:
         """Why this call must run the replaced layer's own forward, or None; ``synced``: what
-        :meth:`_substation_sync` said for this call.
-
-        Raises:
-            ValueError: a float mask holding NaN or +inf (:func:`~substation.runtime.masks.check_mask_values`).
-        """
+        :meth:`_substation_sync` said for this call."""
         if synced is not None:
             return synced
         if kwargs.get("output_attentions") or _attentions_requested():
@@ -162,7 +213,6 @@ class SubstationLayer:
             # under torch.compile the operator checks the data and refuses such a mask (no graph break)
             what = mask_differs(attention_mask)
             if what is not None:
-                check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
                 return f"the attention mask differs between {what} (not a key padding mask)"
         return None
 
@@ -172,8 +222,14 @@ class SubstationLayer:
 
         Raises:
             TypeError, ValueError: from :func:`substation.runtime.run_layer` (dtype, device, shape,
-                weights still on the meta device).
+                weights still on the meta device) and :func:`~substation.runtime.masks.check_mask` (the
+                mask's shape, dtype, device; a list or array instead of a tensor); a mask holding NaN or
+                +inf, or integers other than 0 and 1, also where the call runs the Hugging Face forward.
         """
+        if not isinstance(attention_mask, torch.Tensor) and (isinstance(attention_mask, (list, tuple))
+                                                             or hasattr(attention_mask, "__array__")):
+            raise TypeError(f"attention_mask must be a tensor or None, got a {type(attention_mask).__name__}; "
+                            f"convert it with torch.as_tensor")
         # first, before anything reads substation_compiled (it may switch builds). Traced: run at trace
         # time, its result a constant (the graph is specialised to the layer as traced; a layer changed
         # later needs a new torch.compile, docs/huggingface.md)
@@ -185,6 +241,10 @@ class SubstationLayer:
                        self.substation_compiled.config, "attention_mask")
         reason = self._substation_fallback(attention_mask, kwargs, synced)
         if reason is not None:
+            if isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor):
+                if not torch.compiler.is_compiling():  # a data-dependent check would break the traced graph
+                    check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
+                attention_mask = _mask_for_hf(attention_mask, hidden_states, _attention_implementation(self))
             _warn_fallback(type(self).__name__, reason)
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 \

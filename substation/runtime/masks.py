@@ -9,7 +9,12 @@ import torch
 
 from ..config import EncoderConfig
 
-__all__ = ["check_mask", "check_mask_values", "heads_differ", "key_mask", "mask_differs", "queries_differ"]
+__all__ = ["MASK_DTYPES", "check_mask", "check_mask_values", "heads_differ", "key_mask", "mask_differs",
+           "queries_differ"]
+
+#: The dtypes an attention mask may have: bool and integer masks mark keys (1 / True), floating ones add.
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+               torch.bfloat16, torch.float32, torch.float64)
 
 
 def _differs_along(mask: torch.Tensor, dim: int) -> bool:
@@ -113,7 +118,7 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
 
     Raises:
         ValueError: a layer compiled with ``mask: none``, the wrong device type, the wrong shape.
-        TypeError: not a tensor, or an unsupported dtype.
+        TypeError: not a tensor, or a dtype not in :data:`MASK_DTYPES`.
     """
     if config.mask == "none":
         raise ValueError("this layer was compiled with mask: none; compile with mask: padding to pass a mask")
@@ -129,9 +134,10 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
         if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
             raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}] (or [1, K]), got {shape}")
         return
-    if mask.is_complex() or mask.is_quantized:
-        raise TypeError(f"{what} has dtype {mask.dtype}; give a bool or integer mask (1 or True = attend) or "
-                        f"a floating additive one (0 = attend, -inf = masked)")
+    if mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"{what} has dtype {mask.dtype}; give a bool or integer mask (uint8, int8 to int64; 1 or "
+                        f"True = attend) or a floating additive one (float16, bfloat16, float32, float64; 0 = "
+                        f"attend, -inf = masked)")
     heads = config.num_heads
     ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
          (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, seq)
