@@ -561,7 +561,7 @@ def test_adapters_and_submodule_hooks_run_the_hugging_face_forward():
         sa = model.encoder.layer[0].attention.self
         sa.query = LowRankLinear(sa.query)
     inputs = text_inputs(37)
-    with pytest.warns(UserWarning, match="attention.self.query is a LowRankLinear, not an nn.Linear"):
+    with pytest.warns(UserWarning, match="attention.self.query is a test_hf_model.LowRankLinear, not an nn.Linear"):
         got = forward_backward(ours, inputs)
     err = errors(got, forward_backward(plain, inputs))
     assert "encoder.layer.0.attention.self.query.up.weight" in err

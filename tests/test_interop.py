@@ -443,15 +443,41 @@ def test_calls_that_fall_back_get_the_mask_their_model_would_pass(implementation
 
 def test_masks_of_other_types_are_refused_by_name():
     """Masks the layer cannot read are named at the call: unsigned integers wider than 8 bits and
-    float8 (PyTorch has no reductions for them), a list or an array instead of a tensor."""
-    ours = drop_in(hf_layer(torch.float64))
+    float8 (PyTorch has no reductions for them), also on a call that falls back and on a ``mask: none``
+    layer; a list, an array, a number or a string instead of a tensor."""
     x = torch.randn(2, J, I, dtype=torch.float64)
-    for dtype in (torch.uint16, torch.uint32, torch.float8_e4m3fn):
-        with pytest.raises(TypeError, match=f"attention_mask has dtype {dtype}; give a bool or integer mask"):
-            ours(x, torch.ones(2, J).to(dtype))
-    for mask in ([[1] * J] * 2, torch.ones(2, J).numpy()):
+    calls = [(drop_in(hf_layer(torch.float64)), {}), (drop_in(hf_layer(torch.float64)), {"output_attentions": True}),
+             (drop_in(hf_layer(torch.float64), mask="none"), {"output_attentions": True})]
+    for ours, kw in calls:
+        for dtype in (torch.uint16, torch.uint32, torch.float8_e4m3fn):
+            with pytest.raises(TypeError, match=f"attention_mask has dtype {dtype}; give a bool or integer"):
+                ours(x, torch.ones(2, J).to(dtype), **kw)
+    ours = drop_in(hf_layer(torch.float64))
+    for mask in ([[1] * J] * 2, torch.ones(2, J).numpy(), 0.0, "none"):
         with pytest.raises(TypeError, match=f"must be a tensor or None, got a {type(mask).__name__}"):
             ours(x, mask)
+
+
+def test_an_eager_fallback_gives_a_fully_masked_row_the_models_minimum_not_nan(monkeypatch):
+    """-inf in a float mask becomes finfo.min on an eager-attention fallback, as the model makes it:
+    a row whose keys are all masked stays finite (eager softmax gives NaN for a row of -inf, and the
+    NaN reached every parameter's gradient), and the other rows are unchanged."""
+    import substation.interop.layers as layers
+
+    monkeypatch.setattr(layers, "_WARNED", set())
+    ref = hf_layer(torch.float64)
+    ours = drop_in(copy.deepcopy(ref))
+    keep = torch.ones(2, J, dtype=torch.bool)
+    keep[0, J - 2:] = False
+    keep[1] = False
+    x = torch.randn(2, J, I, dtype=torch.float64, requires_grad=True)
+    y = ours(x, torch.zeros(2, J, dtype=torch.float64).masked_fill(~keep, float("-inf")), output_attentions=True)
+    (y * keep[:, :, None]).sum().backward()
+    assert bool(y.isfinite().all()) and bool(x.grad.isfinite().all())
+    assert all(bool(p.grad.isfinite().all()) for p in ours.parameters())
+    expected = ref(x, torch.zeros(2, 1, 1, J, dtype=torch.float64).masked_fill(~keep[:, None, None, :],
+                                                                               torch.finfo(torch.float64).min))
+    assert rel(y, expected) <= 1e-12
 
 
 def test_per_head_masks_run_compiled_when_the_heads_agree():

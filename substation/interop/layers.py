@@ -12,6 +12,7 @@ Hugging Face forward on the same parameters, with a one-time warning.
 """
 from __future__ import annotations
 
+import numbers
 import sys
 import warnings
 from typing import Any
@@ -21,7 +22,7 @@ from torch import nn
 
 from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state, rebuild_for
 from ..runtime import CompiledLayer, run_layer
-from ..runtime.masks import check_mask, check_mask_values, mask_differs
+from ..runtime.masks import check_mask, check_mask_dtype, check_mask_values, mask_differs
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -50,10 +51,11 @@ def _traced_sync(layer) -> str | None:
 
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning raised in the calling function at the first frame outside
-    Substation, PyTorch and transformers (the user's call of the model or layer)."""
+    Substation, PyTorch, transformers, sentence-transformers and PEFT (the user's call of the model or
+    layer)."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
-            "substation", "torch", "transformers"):
+            "substation", "torch", "transformers", "sentence_transformers", "peft"):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -82,10 +84,11 @@ def _mask_for_hf(attention_mask: Any, hidden_states: torch.Tensor, implementatio
     """The mask to hand a Hugging Face layer's own forward when a drop-in call falls back to it: the
     kind its model makes for ``implementation``. The model's own masks pass unchanged: a bool
     [B, 1, J, K] one (True = attend) under ``sdpa``, an additive one of the hidden states' dtype under
-    ``eager``. The masks the drop-in layer takes besides are converted to that kind: a 2-D [B, K] mask
-    (to [B, 1, 1, K]), an integer mask (1 = attend; to bool, or to additive 0 / ``finfo.min``), a float
-    mask of another dtype (cast, finite values kept finite, as
-    :func:`~substation.runtime.masks.key_mask` does). Other implementations and non-tensors pass unchanged.
+    ``eager``. The masks the drop-in layer takes besides are converted: a 2-D [B, K] mask (to
+    [B, 1, 1, K]), an integer mask (1 = attend; to bool, or to additive 0 / ``finfo.min``), a float
+    mask of another dtype (cast, finite values kept finite, as :func:`~substation.runtime.masks.key_mask`
+    does); under ``eager`` -inf becomes ``finfo.min``, as the model makes it (a row of -inf would give
+    NaN there). Other implementations and non-tensors pass unchanged.
 
     Args:
         attention_mask: None, a tensor the drop-in layer accepted (:func:`~substation.runtime.masks.check_mask`),
@@ -101,6 +104,8 @@ def _mask_for_hf(attention_mask: Any, hidden_states: torch.Tensor, implementatio
         if implementation == "sdpa":
             return attend
         return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, torch.finfo(dtype).min)
+    if implementation == "eager":  # its softmax gives NaN for a row of -inf: the model's finfo.min instead
+        return mask.to(dtype).clamp(min=torch.finfo(dtype).min)
     if mask.dtype == dtype:
         return mask
     if torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
@@ -188,7 +193,8 @@ class SubstationLayer:
             for path in paths:
                 owner = self.get_submodule(path.rpartition(".")[0])
                 if type(owner) not in (nn.Linear, nn.LayerNorm):
-                    return f"{path.rpartition('.')[0]} is a {type(owner).__name__}, not an nn.Linear or nn.LayerNorm"
+                    return (f"{path.rpartition('.')[0]} is a {type(owner).__module__}.{type(owner).__qualname__}, "
+                            f"not an nn.Linear or nn.LayerNorm")
         try:
             config = layer_config(self, family, **self.substation_overrides)
         except NotConvertible as e:
@@ -223,10 +229,11 @@ class SubstationLayer:
         Raises:
             TypeError, ValueError: from :func:`substation.runtime.run_layer` (dtype, device, shape,
                 weights still on the meta device) and :func:`~substation.runtime.masks.check_mask` (the
-                mask's shape, dtype, device; a list or array instead of a tensor); a mask holding NaN or
-                +inf, or integers other than 0 and 1, also where the call runs the Hugging Face forward.
+                mask's shape, dtype, device; a list, array, number or string instead of a tensor); a mask
+                holding NaN or +inf, or integers other than 0 and 1, also where an eager call runs the
+                Hugging Face forward.
         """
-        if not isinstance(attention_mask, torch.Tensor) and (isinstance(attention_mask, (list, tuple))
+        if not isinstance(attention_mask, torch.Tensor) and (isinstance(attention_mask, (list, tuple, str, numbers.Number))
                                                              or hasattr(attention_mask, "__array__")):
             raise TypeError(f"attention_mask must be a tensor or None, got a {type(attention_mask).__name__}; "
                             f"convert it with torch.as_tensor")
@@ -242,6 +249,7 @@ class SubstationLayer:
         reason = self._substation_fallback(attention_mask, kwargs, synced)
         if reason is not None:
             if isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor):
+                check_mask_dtype(attention_mask, "attention_mask")
                 if not torch.compiler.is_compiling():  # a data-dependent check would break the traced graph
                     check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
                 attention_mask = _mask_for_hf(attention_mask, hidden_states, _attention_implementation(self))

@@ -9,7 +9,7 @@ import torch
 
 from ..config import EncoderConfig
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_mask_values", "heads_differ", "key_mask", "mask_differs",
+__all__ = ["MASK_DTYPES", "check_mask", "check_mask_dtype", "check_mask_values", "heads_differ", "key_mask", "mask_differs",
            "queries_differ"]
 
 #: The dtypes an attention mask may have: bool and integer masks mark keys (1 / True), floating ones add.
@@ -108,6 +108,18 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     return mask.to(dtype).contiguous().resolve_neg()
 
 
+def check_mask_dtype(mask: torch.Tensor, what: str) -> None:
+    """Refuse a mask whose dtype is not in :data:`MASK_DTYPES`.
+
+    Raises:
+        TypeError: another dtype (uint16 and wider unsigned integers, float8, complex), named with ``what``.
+    """
+    if mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"{what} has dtype {mask.dtype}; give a bool or integer mask (uint8, int8 to int64; 1 or "
+                        f"True = attend) or a floating additive one (float16, bfloat16, float32, float64; 0 = "
+                        f"attend, -inf = masked)")
+
+
 def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, config: EncoderConfig,
                what: str, padding_only: bool = False) -> None:
     """Check a mask's shape, dtype and device (no data is read, so this traces without a graph break).
@@ -134,10 +146,7 @@ def check_mask(mask: torch.Tensor, batch: int, seq: int, device: torch.device, c
         if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
             raise ValueError(f"{what} must have shape [B, K] = [{batch}, {seq}] (or [1, K]), got {shape}")
         return
-    if mask.dtype not in MASK_DTYPES:
-        raise TypeError(f"{what} has dtype {mask.dtype}; give a bool or integer mask (uint8, int8 to int64; 1 or "
-                        f"True = attend) or a floating additive one (float16, bfloat16, float32, float64; 0 = "
-                        f"attend, -inf = masked)")
+    check_mask_dtype(mask, what)
     heads = config.num_heads
     ok = (len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq) or \
          (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, seq)
