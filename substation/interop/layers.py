@@ -103,7 +103,8 @@ def _mask_for_hf(attention_mask: Any, hidden_states: torch.Tensor, implementatio
         attend = mask.bool()
         if implementation == "sdpa":
             return attend
-        return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, torch.finfo(dtype).min)
+        additive = torch.zeros(attend.shape, dtype=dtype, device=attend.device)
+        return additive.masked_fill_(~attend, torch.finfo(dtype).min)
     if implementation == "eager":  # its softmax gives NaN for a row of -inf: the model's finfo.min instead
         return mask.to(dtype).clamp(min=torch.finfo(dtype).min)
     if mask.dtype == dtype:
@@ -233,8 +234,8 @@ class SubstationLayer:
                 holding NaN or +inf, or integers other than 0 and 1, also where an eager call runs the
                 Hugging Face forward.
         """
-        if not isinstance(attention_mask, torch.Tensor) and (isinstance(attention_mask, (list, tuple, str, numbers.Number))
-                                                             or hasattr(attention_mask, "__array__")):
+        if not isinstance(attention_mask, torch.Tensor) and (
+                isinstance(attention_mask, (list, tuple, str, numbers.Number)) or hasattr(attention_mask, "__array__")):
             raise TypeError(f"attention_mask must be a tensor or None, got a {type(attention_mask).__name__}; "
                             f"convert it with torch.as_tensor")
         # first, before anything reads substation_compiled (it may switch builds). Traced: run at trace

@@ -9,8 +9,8 @@ import torch
 
 from ..config import EncoderConfig
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_mask_dtype", "check_mask_values", "heads_differ", "key_mask", "mask_differs",
-           "queries_differ"]
+__all__ = ["MASK_DTYPES", "check_mask", "check_mask_dtype", "check_mask_values", "heads_differ", "key_mask",
+           "mask_differs", "queries_differ"]
 
 #: The dtypes an attention mask may have: bool and integer masks mark keys (1 / True), floating ones add.
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
