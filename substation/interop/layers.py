@@ -22,7 +22,7 @@ from torch import nn
 
 from ..pipeline import build_after_apply, cached_compile, compiled_from_state, compiled_state, rebuild_for
 from ..runtime import CompiledLayer, run_layer
-from ..runtime.masks import check_mask, check_mask_dtype, check_mask_values, mask_differs
+from ..runtime.masks import cast_additive_mask, check_mask, check_mask_dtype, check_mask_values, mask_differs
 from .families import FAMILIES, Family, NotConvertible, layer_config
 
 __all__ = ["SubstationLayer", "drop_in_class", "replace_with_drop_in"]
@@ -86,8 +86,8 @@ def _mask_for_hf(attention_mask: Any, hidden_states: torch.Tensor, implementatio
     [B, 1, J, K] one (True = attend) under ``sdpa``, an additive one of the hidden states' dtype under
     ``eager``. The masks the drop-in layer takes besides are converted: a 2-D [B, K] mask (to
     [B, 1, 1, K]), an integer mask (1 = attend; to bool, or to additive 0 / ``finfo.min``), a float
-    mask of another dtype (cast, finite values kept finite, as :func:`~substation.runtime.masks.key_mask`
-    does); under ``eager`` -inf becomes ``finfo.min``, as the model makes it (a row of -inf would give
+    mask of another dtype (:func:`~substation.runtime.masks.cast_additive_mask`: finite values kept
+    finite); under ``eager`` -inf becomes ``finfo.min``, as the model makes it (a row of -inf would give
     NaN there). Other implementations and non-tensors pass unchanged.
 
     Args:
@@ -107,12 +107,7 @@ def _mask_for_hf(attention_mask: Any, hidden_states: torch.Tensor, implementatio
         return additive.masked_fill_(~attend, torch.finfo(dtype).min)
     if implementation == "eager":  # its softmax gives NaN for a row of -inf: the model's finfo.min instead
         return mask.to(dtype).clamp(min=torch.finfo(dtype).min)
-    if mask.dtype == dtype:
-        return mask
-    if torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
-        low = torch.finfo(dtype)
-        mask = torch.where(mask.isinf(), mask, mask.clamp(low.min, low.max))
-    return mask.to(dtype)
+    return cast_additive_mask(mask, dtype)
 
 
 class SubstationLayer:

@@ -9,8 +9,8 @@ import torch
 
 from ..config import EncoderConfig
 
-__all__ = ["MASK_DTYPES", "check_mask", "check_mask_dtype", "check_mask_values", "heads_differ", "key_mask",
-           "mask_differs", "queries_differ"]
+__all__ = ["MASK_DTYPES", "cast_additive_mask", "check_mask", "check_mask_dtype", "check_mask_values",
+           "heads_differ", "key_mask", "mask_differs", "queries_differ"]
 
 #: The dtypes an attention mask may have: bool and integer masks mark keys (1 / True), floating ones add.
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -102,10 +102,16 @@ def key_mask(mask: torch.Tensor | None, attend_marks_true: bool, batch: int, seq
     if mask.dtype == torch.bool or not mask.is_floating_point():
         attend = mask.bool() if attend_marks_true else ~mask.bool()
         return torch.zeros(batch, seq, dtype=dtype, device=mask.device).masked_fill_(~attend, float("-inf"))
+    return cast_additive_mask(mask, dtype).contiguous().resolve_neg()
+
+
+def cast_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float (additive) mask in the float ``dtype``, its finite values clamped to that dtype's range
+    (float32's minimum, Hugging Face's mask value, stays finite in bfloat16), -inf kept."""
     if mask.dtype != dtype and torch.finfo(dtype).max < torch.finfo(mask.dtype).max:
         low = torch.finfo(dtype)
         mask = torch.where(mask.isinf(), mask, mask.clamp(low.min, low.max))
-    return mask.to(dtype).contiguous().resolve_neg()
+    return mask.to(dtype)
 
 
 def check_mask_dtype(mask: torch.Tensor, what: str) -> None:
