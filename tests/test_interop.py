@@ -480,6 +480,27 @@ def test_an_eager_fallback_gives_a_fully_masked_row_the_models_minimum_not_nan(m
     assert rel(y, expected) <= 1e-12
 
 
+def test_a_mask_that_requires_grad_runs_the_hugging_face_forward_and_gets_its_gradient(monkeypatch):
+    """A learned additive mask (requires grad) runs Hugging Face's forward with a warning, so the mask
+    gets the gradient the unoptimized layer gives it; without gradients (inference) it runs compiled."""
+    import substation.interop.layers as layers
+
+    monkeypatch.setattr(layers, "_WARNED", set())
+    ref = hf_layer(torch.float64)
+    ours = drop_in(copy.deepcopy(ref))
+    x = torch.randn(2, J, I, dtype=torch.float64)
+    learned = (0.5 * torch.randn(2, 1, 1, J, dtype=torch.float64)).requires_grad_()
+    with pytest.warns(UserWarning, match="requires grad"):
+        y = ours(x, learned)
+    grad, = torch.autograd.grad(y.square().sum(), learned)
+    expected = torch.autograd.grad(ref(x, learned).square().sum(), learned)[0]
+    assert rel(grad, expected) <= 1e-12 and grad.abs().max() > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            assert rel(ours(x, learned), ref(x, learned)) <= 1e-12
+
+
 def test_per_head_masks_run_compiled_when_the_heads_agree():
     """A [B, H, J, K] mask: equal heads run the compiled layer (no warning), differing heads the Hugging
     Face forward; a wrong shape is named as given."""

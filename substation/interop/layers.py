@@ -211,6 +211,8 @@ class SubstationLayer:
                 return f"{name} is given"
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             return f"the attention mask is a {type(attention_mask).__name__}, not a tensor"
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.requires_grad and torch.is_grad_enabled():
+            return "the attention mask requires grad (the compiled layer does not differentiate the mask)"
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and not torch.compiler.is_compiling():
             # under torch.compile the operator checks the data and refuses such a mask (no graph break)
             what = mask_differs(attention_mask)
@@ -237,15 +239,16 @@ class SubstationLayer:
         # time, its result a constant (the graph is specialised to the layer as traced; a layer changed
         # later needs a new torch.compile, docs/huggingface.md)
         synced = _traced_sync(self) if torch.compiler.is_compiling() else self._substation_sync()
-        if isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor) \
-                and hidden_states.dim() == 3 and self.substation_compiled.config.mask != "none":
-            # a bad mask is named here, not handed to Hugging Face's forward
+        mask_checked = isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor) \
+            and hidden_states.dim() == 3 and self.substation_compiled.config.mask != "none"
+        if mask_checked:  # a bad mask is named here, not handed to Hugging Face's forward
             check_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device,
                        self.substation_compiled.config, "attention_mask")
         reason = self._substation_fallback(attention_mask, kwargs, synced)
         if reason is not None:
             if isinstance(attention_mask, torch.Tensor) and isinstance(hidden_states, torch.Tensor):
-                check_mask_dtype(attention_mask, "attention_mask")
+                if not mask_checked:  # mask: none, or not [B, J, I]: Hugging Face reads it
+                    check_mask_dtype(attention_mask, "attention_mask")
                 if not torch.compiler.is_compiling():  # a data-dependent check would break the traced graph
                     check_mask_values(attention_mask)  # bad input is refused, not handed to Hugging Face's forward
                 attention_mask = _mask_for_hf(attention_mask, hidden_states, _attention_implementation(self))

@@ -88,11 +88,14 @@ def _inference_packing(mask: torch.Tensor | None, attend_marks_true: bool, batch
     return result
 
 
-def _remember(memo: dict, key, value) -> None:
-    """Put ``key`` -> ``value`` into a :class:`CompiledLayer` memo, emptied when full."""
+def _remember(memo: "dict | set", key, value=None) -> None:
+    """Put ``key`` (-> ``value`` in a dict) into a :class:`CompiledLayer` memo, emptied when full."""
     if len(memo) >= MEMO_ENTRIES:
         memo.clear()
-    memo[key] = value
+    if isinstance(memo, set):
+        memo.add(key)
+    else:
+        memo[key] = value
 
 
 def _library_value(graph, name: str, p):
@@ -442,7 +445,7 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     if memo_key is None or memo_key not in compiled.checked_parameters:
         _check_parameters(compiled, params, dtype, cast, x)
         if memo_key is not None:
-            _remember(compiled.checked_parameters, memo_key, True)
+            _remember(compiled.checked_parameters, memo_key)
     b, j, _ = x.shape
     if attention_mask is not None and key_padding_mask is not None:
         raise ValueError("pass either attention_mask or key_padding_mask, not both")

@@ -448,9 +448,9 @@ class CompiledLayer:
                                             if dims.startswith(STACK_LETTER))
         #: Memos of :func:`~substation.runtime.run_layer`'s eager calls, keyed by what it checks of the
         #: parameters (each tensor's address, dtype, shape and device; contiguous tensors only): the keys
-        #: that passed its checks (-> True), and (forward-only builds) the library's binding of those
-        #: tensors. Addresses only: no tensor is kept alive; bounded (:data:`MEMO_ENTRIES`).
-        self.checked_parameters: dict = {}
+        #: that passed its checks (a set), and (forward-only builds) the library's binding of those
+        #: tensors (a dict). Addresses only: no tensor is kept alive; bounded (:data:`MEMO_ENTRIES`).
+        self.checked_parameters: set = set()
         self.bound_parameters: dict = {}
 
     @property
