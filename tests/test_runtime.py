@@ -128,7 +128,7 @@ def test_only_some_inputs_require_grad(tiny_nodrop):
 BAD_CALLS = [
     (lambda l, x: l(x.numpy()), TypeError, "hidden_states must be a torch.Tensor"),
     (lambda l, x: l(x.float()), TypeError, "hidden_states has dtype torch.float32 but the layer was compiled for torch.float64"),
-    (lambda l, x: l(x[0]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
+    (lambda l, x: l(x[0]), ValueError, r"with I = 16; got \(7, 16\) \(one sequence: pass hidden_states\[None\]\)$"),
     (lambda l, x: l(x[..., :8]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
     (lambda l, x: l(x[:0, :, :8]), ValueError, r"hidden_states must have shape \[B, J, I\] with I = 16"),
     (lambda l, x: l(x, attention_mask=torch.zeros(2, 6, dtype=torch.float64)), ValueError, r"mask must have shape \[B, K\] = \[2, 7\]"),

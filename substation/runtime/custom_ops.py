@@ -408,7 +408,9 @@ def run_layer(compiled: CompiledLayer, hidden_states: torch.Tensor, params: "lis
     config = compiled.config
     dtype = torch.bfloat16 if bf16_autocast else compiled.forward.dtype
     if x.dim() != 3 or x.shape[-1] != config.hidden_size:
-        raise ValueError(f"hidden_states must have shape [B, J, I] with I = {config.hidden_size}; got {tuple(x.shape)}")
+        one = " (one sequence: pass hidden_states[None])" if x.dim() == 2 else ""
+        raise ValueError(f"hidden_states must have shape [B, J, I] with I = {config.hidden_size}; "
+                         f"got {tuple(x.shape)}{one}")
     device_type = compiled.forward.device_type
     where = "the CPU" if device_type == "cpu" else "CUDA"
     if x.device.type != device_type:
