@@ -864,6 +864,7 @@ def test_inference_builds_read_parameters_from_packed_copies_and_see_every_chang
         assert ops["linear1"].bytes_read == 2 * b * j * i + 2 * i * u + 2 * u + 4 * i * u
         biases = 3 * i + i + u + i
         assert (ops["master_weight_casts"].bytes_read, ops["master_weight_casts"].bytes_written) == (4 * biases, 2 * biases)
+        assert analysis.operators[0].name == "master_weight_casts"  # execution order: the casts come first
 
     layer = _randomized_fp32_layer().to(torch.bfloat16).eval()
     torch.manual_seed(4)

@@ -212,6 +212,11 @@ def test_report_kernels_lists_fused_members(capsys):
     assert main(["report", "bert-base", "--kernels", "--no-fuse"]) == 0
     out = capsys.readouterr().out
     assert "after fusion" not in out and "forward   14 kernels" in out and "backward  15 kernels" in out
+    # the first line names the GEMM library counted; an inference build has no backward pass to list
+    assert main(["report", "bert-base", "--kernels", "--mode", "eval", "--fp32-gemm", "onednn"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("after fusion (onednn GEMMs, MKL under 256 token rows), inference build")
+    assert "forward   2 kernels" in out and "backward" not in out  # RLN, RLN2: the rest is in GEMM epilogues
 
 
 def test_report_kernels_option_conflicts(capsys):

@@ -60,6 +60,12 @@ def test_symbolic_shapes_and_save_load(tiny, tmp_path):
     ops = [n for n in loaded.nodes()[0].nodes() if isinstance(n, Operator)]
     assert sorted(o.label for o in ops) == sorted(o.label for o in bwd.operators())
     assert {o.label: o.op_class for o in ops} == {o.label: o.op_class for o in bwd.operators()}
+    # the same graph gives the same bytes (DaCe's element ids are random otherwise), its ids still unique
+    compile_graphs(tiny)[1].save(str(tmp_path / "again.sdfg"))
+    text = path.read_text()
+    assert text == (tmp_path / "again.sdfg").read_text()
+    guids = re.findall(r'"guid":"([^"]+)"', text)
+    assert len(guids) > 50 and len(set(guids)) == len(guids)
 
 
 def test_contractions_are_blas_calls(tiny):

@@ -14,7 +14,9 @@ index (``BJ0HP`` is Q inside ``QKV[B, J, T, H, P]``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import uuid
 import dace
 import dace.library
 import networkx as nx
@@ -22,6 +24,7 @@ import sympy
 from dace.properties import DictProperty, Property
 
 from ..config import EncoderConfig
+from ..files import atomic_write_text
 
 __all__ = ["Operator", "TensorInfo", "LayerGraph", "GraphBuilder", "build_forward", "parameters", "DIMENSIONS",
            "access_letters"]
@@ -218,8 +221,22 @@ class LayerGraph:
         raise KeyError(f"no operator named {name!r} in the {self.phase} graph")
 
     def save(self, path: str) -> None:
-        """Write the SDFG as a ``.sdfg`` file (viewable in DaCe's viewer)."""
-        self.sdfg.save(path)
+        """Write the SDFG as a ``.sdfg`` file (viewable in DaCe's viewer), atomically. The same graph
+        always gives the same bytes: DaCe's random element ids (``guid``, uuid4) are replaced by ids
+        numbered in file order, so regenerated graphs diff only where the graph changed."""
+        data = self.sdfg.to_json(hash=True)
+        number = itertools.count()
+
+        def renumber(node) -> None:
+            items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+            for key, value in items:
+                if key == "guid" and isinstance(value, str):
+                    node[key] = str(uuid.uuid5(uuid.NAMESPACE_OID, f"substation-graph-element-{next(number)}"))
+                else:
+                    renumber(value)
+
+        renumber(data)
+        atomic_write_text(path, dace.serialize.dumps(data))
 
 
 def _parse_ref(ref: str, tensors: dict[str, TensorInfo]) -> tuple[str, str]:

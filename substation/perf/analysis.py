@@ -266,10 +266,10 @@ def master_weight_casts(forward: LayerGraph, sizes: Mapping[str, int] | None = N
 
 
 def _counts(graphs, sizes) -> list[OperatorCount]:
-    """Every operator of ``graphs`` (forward, backward or None) and the master-weight casts."""
-    ops = [c for g in graphs if g is not None for c in count_graph(g, sizes)]
+    """Every operator of ``graphs`` (forward, backward or None) in execution order: the master-weight
+    casts (done when the call starts), then each graph's operators."""
     casts = master_weight_casts(graphs[0], sizes)
-    return ops + ([casts] if casts is not None else [])
+    return ([casts] if casts is not None else []) + [c for g in graphs if g is not None for c in count_graph(g, sizes)]
 
 
 # -- graphs --------------------------------------------------------------------------------------
@@ -375,7 +375,10 @@ class Analysis:
         return out
 
     def contraction_flop(self) -> dict:
-        """pass -> flop of the TC operators (the paper's closed-form contraction counts)."""
+        """pass -> flop of the TC operators: in unfused graphs the contractions alone (the paper's
+        closed-form counts, 2 x the product of the dimensions); in optimized graphs a TC kernel also
+        counts the arithmetic fused into it (GEMM-epilogue biases and GELU, the attention kernel's mask,
+        softmax and Q/K/V biases): a few hundredths of a percent more."""
         return {p: self.total(p, "TC")["flop"] for p in (*PASSES, "total")}
 
     @property

@@ -97,18 +97,19 @@ def format_report(analysis: Analysis) -> str:
             lines.append(row)
     tc = a.contraction_flop()
     tot = a.total()
+    what = "TC kernel flop (contractions and what is fused into them)" if a.optimized else "contraction flop"
     if train:
-        lines += ["", f"contraction flop: forward {tc['forward'] / 1e9:.2f} GFLOP, backward {tc['backward'] / 1e9:.2f} "
+        lines += ["", f"{what}: forward {tc['forward'] / 1e9:.2f} GFLOP, backward {tc['backward'] / 1e9:.2f} "
                       f"GFLOP, forward+backward {tc['total'] / 1e9:.2f} GFLOP"]
         lines.append(f"data movement: forward {a.total('forward')['bytes'] / 1e6:.1f} MB, backward "
                      f"{a.total('backward')['bytes'] / 1e6:.1f} MB, forward+backward {tot['bytes'] / 1e6:.1f} MB")
     else:
-        lines += ["", f"contraction flop: forward {tc['forward'] / 1e9:.4g} GFLOP; data movement: forward "
+        lines += ["", f"{what}: forward {tc['forward'] / 1e9:.4g} GFLOP; data movement: forward "
                       f"{tot['bytes'] / 1e6:.4g} MB"]
     if a.optimized:
+        paper = f"; paper: up to {PAPER_MAX_REDUCTION_PCT}%" if train else ""  # the paper's is a training step's
         lines.append(f"data movement reduction vs the unfused graphs: {a.data_movement_reduction_pct:.2f}% "
-                     f"({a.unfused_bytes / 1e6:.4g} MB -> {tot['bytes'] / 1e6:.4g} MB; paper: up to "
-                     f"{PAPER_MAX_REDUCTION_PCT}%)")
+                     f"({a.unfused_bytes / 1e6:.4g} MB -> {tot['bytes'] / 1e6:.4g} MB{paper})")
     if m:
         lines.append(f"measured: copy bandwidth {m.copy_bandwidth / 1e9:.2f} GB/s (STREAM-like copy, "
                      f"{m.copy_buffer_bytes / 2 ** 20:.0f} MiB buffers); "
@@ -147,9 +148,11 @@ def format_kernels(analysis: Analysis) -> str:
     """The memory-bound (SN/EW) kernels of each pass, one line each: name, class, MB moved and the
     operators it runs (a fused kernel lists its members in order; an unfused operator is its own
     kernel). Contractions are not kernels of this list. Raises nothing."""
-    ops = {phase: [o for o in analysis.select(phase) if o.op_class != "TC"] for phase in PASSES}
+    phases = PASSES if analysis.mode == "train" else ("forward",)
+    ops = {phase: [o for o in analysis.select(phase) if o.op_class != "TC"] for phase in phases}
     width = max([len("kernel")] + [len(o.name) for group in ops.values() for o in group])
-    lines = ["memory-bound kernels (contractions not counted)" + (" after fusion" if analysis.optimized else ""),
+    lines = ["memory-bound kernels (contractions not counted)" + (" after fusion" if analysis.optimized else "")
+             + gemm_label(analysis.fp32_gemm) + (", inference build" if analysis.mode == "eval" else ""),
              f"{'pass':<9} {'kernel':<{width}} {'class':<5} {'MB':>10}  operators"]
     for phase, group in ops.items():
         for o in group:
